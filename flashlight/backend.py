@@ -1,0 +1,92 @@
+"""The ``torch.compile`` backend: a flat list of named passes over each Dynamo graph.
+
+    to_aten        make_fx(pre_dispatch=True): ATen ops above autograd, user spellings normalised
+    capture        find attention regions and build their IR          (capture/)
+    verify         scoping checks                                     (ir/)
+    rewrite        reduction algebra to a fixed point                 (rewrite/)
+    codegen        Triton source, written to the kernel cache         (codegen/, runtime/)
+    replace        swap each region for a flashlight::region call; dead code goes
+    inductor       everything else compiles as usual
+
+``FLASHLIGHT_DEBUG=1`` prints the IR after each pass and the path of each generated kernel.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from . import _compat
+from .capture import Fallback, Match, Unsupported, find_regions, source_line
+from .codegen import CodegenError
+from .ir import Region, VerifyError, verify
+from .rewrite import rewrite
+
+
+@dataclass
+class GraphReport:
+    """What one backend call did: the fused regions (with their compiled kernels) and fallbacks."""
+    regions: list = field(default_factory=list)        # runtime.op.CompiledRegion
+    fallbacks: list[Fallback] = field(default_factory=list)
+
+
+_LISTENERS: list[list[GraphReport]] = []   # explain() collects reports here
+
+
+def _debug(stage: str, payload) -> None:
+    if os.environ.get("FLASHLIGHT_DEBUG") == "1":
+        print(f"[flashlight] after {stage}:\n{payload}\n")
+
+
+def lower(region: Region):
+    """verify -> rewrite -> verify -> codegen; returns the CompiledRegion."""
+    from .runtime.op import compile_region
+    region = verify(region)
+    _debug("capture", region)
+    region = rewrite(region, debug=lambda name, r: _debug(f"rewrite[{name}]", r))
+    compiled = compile_region(region)
+    _debug("codegen", f"{compiled.name} -> {compiled.path}")
+    return compiled
+
+
+def replace(graph: fx.Graph, match: Match, key: str) -> None:
+    with graph.inserting_before(match.root):
+        call = graph.call_function(torch.ops.flashlight.region.default, (key, list(match.leaves)))
+    call.meta.update(match.root.meta)
+    match.root.replace_all_uses_with(call)
+
+
+def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphReport]:
+    report = GraphReport()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
+        report.fallbacks.append(Fallback("graph", "-", "dynamic shapes are not supported yet "
+                                         "(compile with dynamic=False)", ""))
+        return gm, report
+    aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
+    matches, fallbacks = find_regions(aten_gm.graph)
+    report.fallbacks += fallbacks
+    for m in matches:
+        try:
+            compiled = lower(m.region)
+        except (Unsupported, CodegenError, VerifyError) as e:
+            report.fallbacks.append(Fallback(m.root.name, str(m.root.target), str(e), source_line(m.root)))
+            continue
+        replace(aten_gm.graph, m, compiled.name)
+        report.regions.append(compiled)
+    if not report.regions:
+        return gm, report
+    aten_gm.graph.eliminate_dead_code()
+    aten_gm.recompile()
+    _debug("replace", aten_gm.code)
+    return aten_gm, report
+
+
+def flashlight_backend(gm: fx.GraphModule, example_inputs, **kwargs):
+    """``torch.compile(fn, backend="flashlight")``: fuse attention regions, Inductor for the rest."""
+    gm, report = fuse(gm, example_inputs)
+    for sink in _LISTENERS:
+        sink.append(report)
+    return _compat.compile_fx(gm, example_inputs)

@@ -1,0 +1,165 @@
+"""Find attention regions in an ATen graph and build their IR.
+
+A candidate is every contraction ``P @ V`` (matmul, bmm, einsum). Its output tile (.., m, dv)
+is evaluated symbolically (``symbolic.py``); it is an attention region when that evaluation
+reaches at least one score contraction ``Q @ K^T`` through supported ops. The region grows
+downstream through pointwise epilogue ops of the same shape (gates, λ-mixing of two attention
+outputs), so several ``P @ V`` products that feed one expression fuse into one kernel.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..ir import Input, Region, refs
+from .symbolic import RULES, Builder, Unsupported, meta, static_shape
+
+aten = torch.ops.aten
+CONTRACTIONS = {aten.matmul, aten.bmm, aten.einsum}
+SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
+EPILOGUE_BLOCKLIST = {aten.sum, aten.amax, aten.softmax, aten._softmax, aten.logsumexp}
+
+
+@dataclass
+class Match:
+    """One fusable region: the IR, the node it replaces, and the nodes feeding the kernel."""
+    root: fx.Node
+    region: Region
+    leaves: list[fx.Node]
+    inner: set[fx.Node] = field(default_factory=set)
+
+
+@dataclass
+class Fallback:
+    """A candidate that stays unfused, with the reason and where the user wrote it."""
+    node: str
+    op: str
+    reason: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.op}): {self.reason}" + (f"\n      at {self.source}" if self.source else "")
+
+
+def packet(node: fx.Node):
+    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+
+
+def source_line(node: fx.Node) -> str:
+    """'file.py:12: code' of the innermost user frame in the node's stack trace."""
+    st = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', st)
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{line}: {code.strip()}"
+
+
+def _operands(node: fx.Node) -> list[fx.Node]:
+    if packet(node) == aten.einsum:
+        return list(node.args[1])
+    return [a for a in node.args[:2] if isinstance(a, fx.Node)]
+
+
+def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int] | None:
+    """(batch, M, N, DV) of a candidate ``P @ V``, or None if it is not shaped like one."""
+    ops = _operands(node)
+    if len(ops) != 2 or meta(node) is None or meta(node).dim() < 2:
+        return None
+    shape = static_shape(meta(node))
+    if packet(node) == aten.einsum:
+        lhs, out = node.args[0].replace(" ", "").split("->")
+        a, c = lhs.split(",")
+        summed = [ch for ch in a if ch in c and ch not in out]
+        if len(summed) != 1:
+            return None
+        n = static_shape(meta(ops[0]))[a.index(summed[0])]
+    else:
+        n = static_shape(meta(ops[0]))[-1]
+    return shape[:-2], shape[-2], n, shape[-1]
+
+
+def _extend_epilogue(node: fx.Node) -> fx.Node:
+    """Follow single-user pointwise ops that keep the output shape (gates, mixing, casts)."""
+    shape = meta(node).shape
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        p = packet(user)
+        if p is None or p not in RULES or p in CONTRACTIONS or p in EPILOGUE_BLOCKLIST:
+            break
+        if meta(user) is None or meta(user).shape != shape:
+            break
+        node = user
+    return node
+
+
+def _looks_like_attention(node: fx.Node, depth: int = 12) -> bool:
+    frontier, seen = list(_operands(node)[:1]), set()
+    while frontier and depth:
+        depth -= 1
+        nxt = []
+        for x in frontier:
+            if x in seen or not isinstance(x, fx.Node):
+                continue
+            seen.add(x)
+            if packet(x) in SOFTMAX_LIKE:
+                return True
+            nxt.extend(a for a in x.all_input_nodes)
+        frontier = nxt
+    return False
+
+
+def build(contraction: fx.Node) -> Match | None:
+    """Build the region rooted at ``contraction`` (extended through its epilogue)."""
+    geom = _geometry(contraction)
+    if geom is None:
+        return None
+    batch, M, N, DV = geom
+    root = _extend_epilogue(contraction)
+    b = Builder(batch, M, N, DV)
+    out = b.sym(root)(b.bvars + (b.m, b.dv))
+    if not b.dots or not any(r.kind == "dot" for r in b.reductions) or not refs(out, "red"):
+        return None
+    region = Region(
+        batch=batch, M=M, N=N, DK=b.DK, DV=DV,
+        inputs=[Input(n.name, static_shape(meta(n)), meta(n).dtype) for n in b.inputs],
+        dots=list(b.dots), reductions=list(b.reductions), out=out,
+        out_dtype=meta(root).dtype, source=source_line(contraction),
+    )
+    return Match(root, region, list(b.inputs), b.inner | {root})
+
+
+def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:
+    matches, fallbacks, claimed = [], [], set()
+    for node in list(graph.nodes):
+        if packet(node) not in CONTRACTIONS or node in claimed:
+            continue
+        try:
+            match = build(node)
+        except Unsupported as e:
+            where = e.node or node
+            fallbacks.append(Fallback(node.name, str(node.target), str(e), source_line(where) or source_line(node)))
+            continue
+        if match is None:
+            if _looks_like_attention(node):
+                fallbacks.append(Fallback(node.name, str(node.target), _why_not(node), source_line(node)))
+            continue
+        claimed |= match.inner
+        matches.append(match)
+    return matches, fallbacks
+
+
+def _why_not(node: fx.Node) -> str:
+    """Name the first op between the softmax and the contraction that has no fusion rule."""
+    x = _operands(node)[0]
+    while isinstance(x, fx.Node) and packet(x) not in SOFTMAX_LIKE:
+        if packet(x) not in RULES:
+            return f"the probabilities pass through {x.target}, which has no fusion rule"
+        ins = [a for a in x.all_input_nodes if meta(a) is not None and meta(a).dim() >= 2]
+        if not ins:
+            break
+        x = ins[0]
+    return "no score contraction q @ k^T reaches this product through supported ops"

@@ -1,0 +1,189 @@
+"""Expression emission: region IR -> Triton expressions, with CSE and loop-invariant hoisting."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..ir import Expr, free_vars, refs, walk
+
+
+class CodegenError(Exception):
+    pass
+
+
+def _cast_f(x: str) -> str:
+    return f"{x}.to(tl.float32)"
+
+
+# One row per IR op: a format string over the operand names. Float-only ops get fp32 operands.
+TRITON: dict[str, str] = {
+    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
+    "div_safe": "tl.where({1} == 0, 0.0, {0} / tl.where({1} == 0, 1.0, {1}))",
+    "idiv": "{0} // {1}", "imod": "{0} % {1}",
+    "floordiv": "fl_floordiv({0}, {1})", "mod": "fl_mod({0}, {1})",
+    "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
+    "pow": "tl.exp2({1} * tl.log2({0}))",
+    "eq": "{0} == {1}", "ne": "{0} != {1}", "lt": "{0} < {1}", "le": "{0} <= {1}",
+    "gt": "{0} > {1}", "ge": "{0} >= {1}",
+    "and": "{0} & {1}", "or": "{0} | {1}", "xor": "{0} ^ {1}", "not": "{0} == 0",
+    "neg": "-{0}", "abs": "tl.abs({0})", "sign": "tl.where({0} > 0, 1, 0) - tl.where({0} < 0, 1, 0)",
+    "exp": "tl.exp({0})", "exp2": "tl.exp2({0})", "log": "tl.log({0})", "log2": "tl.log2({0})",
+    "log1p": "tl.log(1.0 + {0})", "expm1": "tl.exp({0}) - 1.0", "sqrt": "tl.sqrt({0})",
+    "rsqrt": "tl.rsqrt({0})", "reciprocal": "1.0 / {0}",
+    "tanh": "2.0 * tl.sigmoid(2.0 * {0}) - 1.0",   # tanh(x) = 2 sigmoid(2x) - 1
+    "sigmoid": "tl.sigmoid({0})", "relu": "tl.maximum({0}, 0)", "erf": "tl.erf({0})",
+    "sin": "tl.sin({0})", "cos": "tl.cos({0})", "floor": "tl.floor({0})", "ceil": "tl.ceil({0})",
+    "where": "tl.where({0}, {1}, {2})",
+    "to_f": "{0}.to(tl.float32)", "to_i": "{0}.to(tl.int64)", "to_b": "{0} != 0",
+}
+FLOAT_OPERANDS = {"div", "div_safe", "pow", "exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt",
+                  "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "sin", "cos"}
+
+HELPERS = '''
+@triton.jit
+def fl_floordiv(a, b):
+    # Python floor division for integers of any sign (Triton's // truncates)
+    q = a // b
+    return q - ((a % b != 0) & ((a < 0) != (b < 0))).to(q.dtype)
+
+
+@triton.jit
+def fl_mod(a, b):
+    # Python remainder: takes the sign of the divisor
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+'''
+
+
+def const_str(e: Expr) -> str:
+    v = e.args[0]
+    if isinstance(v, float) and math.isinf(v):
+        return 'float("-inf")' if v < 0 else 'float("inf")'
+    if isinstance(v, float) and math.isnan(v):
+        return 'float("nan")'
+    return repr(v)
+
+
+@dataclass
+class Ctx:
+    """An index space: how each index var reads as a Triton tile, and its bounds mask."""
+    name: str
+    vars: dict[str, str]            # var -> Triton expression (broadcast shape)
+    masks: dict[str, str]           # var -> bounds mask of the same shape
+
+
+@dataclass
+class Block:
+    """A list of lines with a CSE table; ``parent`` receives hoisted loop invariants."""
+    lines: list[str] = field(default_factory=list)
+    names: dict = field(default_factory=dict)
+    parent: "Block | None" = None
+
+
+class Emitter:
+    def __init__(self):
+        self.red_names: dict[int, str] = {}  # red j -> Triton name valid at this point
+        self.dot_names: dict[int, str] = {}  # dot i -> name of this pass's score tile
+        self.loop_reds: set[int] = set()     # reductions being accumulated by the current loop
+        self.counter = 0
+
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def variant(self, e: Expr) -> bool:
+        """Must this expression be computed inside the N loop?"""
+        return "n" in free_vars(e) or bool(refs(e, "dot")) or bool(refs(e, "red") & self.loop_reds)
+
+    def home(self, e: Expr, block: Block) -> Block:
+        """Loop invariants are hoisted into the enclosing block."""
+        return block.parent if block.parent is not None and not self.variant(e) else block
+
+    def emit(self, e: Expr, ctx: Ctx, block: Block) -> str:
+        for x in walk(e):
+            self._emit_one(x, ctx, block)
+        return self._lookup(e, ctx, block)
+
+    def _key(self, x: Expr, ctx: Ctx):
+        inner = {v for v in free_vars(x) if not v.startswith("b")}
+        return (ctx.name if inner or refs(x, "dot") or refs(x, "red") else None, x)
+
+    def _lookup(self, x: Expr, ctx: Ctx, block: Block) -> str:
+        key = self._key(x, ctx)
+        b = block
+        while b is not None:
+            if key in b.names:
+                return b.names[key]
+            b = b.parent
+        raise KeyError(x)
+
+    def _emit_one(self, x: Expr, ctx: Ctx, block: Block):
+        key = self._key(x, ctx)
+        b = block
+        while b is not None:
+            if key in b.names:
+                return
+            b = b.parent
+        target = self.home(x, block)
+        code = self._code(x, ctx, target)
+        if x.op in ("var", "const", "red", "dot") or (x.op == "load" and x.kind != "f"):
+            target.names[key] = code
+            return
+        name = self.fresh("t")
+        target.lines.append(f"{name} = {code}")
+        target.names[key] = name
+
+    def _arg(self, a: Expr, ctx: Ctx, block: Block, as_float: bool) -> str:
+        s = self._lookup(a, ctx, block)
+        if a.op == "const":
+            return f"({s})" if not as_float or a.kind == "f" else f"{float(a.args[0])!r}"
+        return _cast_f(s) if as_float and a.kind != "f" else s
+
+    def _code(self, x: Expr, ctx: Ctx, block: Block) -> str:
+        if x.op == "var":
+            name = x.args[0]
+            if name in ctx.vars:
+                return ctx.vars[name]
+            if name.startswith("b"):
+                return name
+            raise CodegenError(f"index var {name} has no meaning in the {ctx.name} context")
+        if x.op == "const":
+            return const_str(x)
+        if x.op == "red":
+            return self.red_names[x.args[0]]
+        if x.op == "dot":
+            return self.dot_names[x.args[0]]
+        if x.op == "load":
+            raw = self.load(x, ctx, block)
+            return _cast_f(raw) if x.kind == "f" else raw
+        if x.op not in TRITON:
+            raise CodegenError(f"no Triton lowering for op {x.op}")
+        as_float = x.op in FLOAT_OPERANDS
+        args = [self._arg(a, ctx, block, as_float) for a in x.args]
+        return "(" + TRITON[x.op].format(*args) + ")"
+
+    def load(self, x: Expr, ctx: Ctx, block: Block) -> str:
+        """The raw (un-cast) load of ``x``, emitted once per context."""
+        i, idx = x.args
+        key = ("raw", ctx.name, x)
+        b = block
+        while b is not None:
+            if key in b.names:
+                return b.names[key]
+            b = b.parent
+        block = self.home(x, block)
+        for ie in idx:
+            self.emit(ie, ctx, block)
+        terms = []
+        for d, ie in enumerate(idx):
+            if ie.op == "const" and ie.args[0] == 0:
+                continue
+            terms.append(f"{self._lookup(ie, ctx, block)} * in{i}_s{d}")
+        used = set().union(*(free_vars(ie) for ie in idx)) if idx else set()
+        masks = [ctx.masks[v] for v in sorted(used) if v in ctx.masks]
+        ptr = " + ".join([f"in{i}_ptr"] + terms)
+        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
+        name = self.fresh("ld")
+        block.lines.append(f"{name} = tl.load({ptr}{mask})")
+        block.names[key] = name
+        return name

@@ -1,0 +1,98 @@
+"""``flashlight.explain``: which regions fused, with what features, and why others did not."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .capture import Fallback
+from .ir import Region, free_vars, refs, walk
+
+
+def features(region: Region) -> list[str]:
+    """Human-readable features of a region, derived from its IR."""
+    feats = set()
+    bodies = [r.body for r in region.reductions]
+    nodes = [x for b in bodies for x in walk(b)]
+    if any(x.op == "where" for x in nodes):
+        feats.add("mask")
+    if any(x.op == "load" and x.kind != "f" for x in nodes):
+        feats.add("data-mask")
+    if any(x.op == "load" and x.kind == "f" and {"m", "n"} & free_vars(x) for x in nodes):
+        feats.add("bias")
+    if any(x.op in ("sub", "le", "lt", "ge", "gt") and {"m", "n"} <= free_vars(x) for x in nodes):
+        feats.add("index-mask")
+    for d in region.dots:
+        qb = [x for x in walk(d.q) if x.op == "load"]
+        kb = [x for x in walk(d.k) if x.op == "load"]
+        if qb and kb and qb[0].args[1][:-2] != kb[0].args[1][:-2]:
+            feats.add("gqa")
+    if any(x.op == "tanh" for x in nodes):
+        feats.add("softcap")
+    if any(r.online is not None for r in region.reductions):
+        feats.add("online-softmax")
+    if len(region.passes()) > 1:
+        feats.add(f"{len(region.passes())}-pass")
+    if len(region.dots) > 1:
+        feats.add(f"{len(region.dots)}-scores")
+    if refs(region.out, "load"):
+        feats.add("epilogue")
+    if region.M != region.N:
+        feats.add("cross")
+    return sorted(feats)
+
+
+@dataclass
+class RegionReport:
+    kernel: str
+    path: str
+    shapes: dict
+    features: list[str]
+    source: str
+    ir: str
+    kernel_source: str
+
+    def __str__(self) -> str:
+        s = ", ".join(f"{k}={v}" for k, v in self.shapes.items())
+        return f"{self.kernel}  [{s}]  features: {', '.join(self.features) or '-'}" + \
+            (f"\n      at {self.source}" if self.source else "")
+
+
+@dataclass
+class Report:
+    regions: list[RegionReport] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"flashlight: {len(self.regions)} fused region(s), {len(self.fallbacks)} fallback(s)"]
+        lines += [f"  fused    {r}" for r in self.regions]
+        lines += [f"  fallback {f}" for f in self.fallbacks]
+        return "\n".join(lines)
+
+
+def region_report(c) -> RegionReport:
+    r = c.region
+    shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
+    return RegionReport(c.name, str(c.path), shapes, features(r), r.source, str(r), c.source)
+
+
+def explain(fn, *args, **kwargs) -> Report:
+    """Compile ``fn`` with the flashlight backend, run it once on the given inputs, and report
+    every fused region and every attention-like candidate that fell back (with the reason)."""
+    from .backend import _LISTENERS, flashlight_backend
+
+    collected: list = []
+
+    def backend(gm, example_inputs):   # a fresh backend object forces a fresh compile
+        return flashlight_backend(gm, example_inputs)
+
+    _LISTENERS.append(collected)
+    try:
+        torch.compile(fn, backend=backend)(*args, **kwargs)
+    finally:
+        _LISTENERS.remove(collected)
+    report = Report()
+    for g in collected:
+        report.regions += [region_report(c) for c in g.regions]
+        report.fallbacks += g.fallbacks
+    return report

@@ -1,0 +1,131 @@
+"""The region IR: one fused attention program.
+
+Shape legend (all sizes are those seen at capture time)::
+
+    batch   the score tensor's leading dims (e.g. (B, H)), index vars b0, b1, ...
+    M       query length (var m)        N   key length (var n)
+    DK      contraction (head) dim (dk) DV  value / output head dim (dv)
+
+A region computes, for every (b..., m)::
+
+    dots        qk_i[b, m, n] = sum_dk Q_i[b, m, dk] * K_i[b, n, dk]
+    reductions  r_j[b, m] = reduce_n body_j[b, m, n]          (max / sum)
+                r_j[b, m, dv] = sum_n body_j[b, m, n] * V_j[b, n, dv]   (kind "dot")
+    out         out[b, m, dv] = out_expr(r..., loads)
+
+where every ``body_j`` may read the dots, loads, index vars and earlier reductions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .expr import Expr, fmt, free_vars, refs, walk
+
+RED_KINDS = ("max", "sum", "dot")
+
+
+@dataclass(frozen=True)
+class Input:
+    """A tensor the kernel loads. ``name`` is the FX node it came from (for explain)."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Dot:
+    q: Expr     # over (b..., m, dk)
+    k: Expr     # over (b..., n, dk)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    kind: str               # "max" | "sum" | "dot"
+    body: Expr              # over (b..., m, n)
+    v: Expr | None = None   # over (b..., n, dv), for kind "dot"
+    online: int | None = None   # index of the max reduction it is rescaled by (rewrite stage)
+
+    def __post_init__(self):
+        assert self.kind in RED_KINDS
+        assert (self.v is not None) == (self.kind == "dot")
+
+
+@dataclass
+class Region:
+    batch: tuple[int, ...]
+    M: int
+    N: int
+    DK: int
+    DV: int
+    inputs: list[Input]
+    dots: list[Dot]
+    reductions: list[Reduction]
+    out: Expr                       # over (b..., m, dv)
+    out_dtype: torch.dtype
+    source: str = ""                # the user's source line(s), for explain()
+    features: set[str] = field(default_factory=set)
+
+    @property
+    def batch_vars(self) -> tuple[str, ...]:
+        return tuple(f"b{i}" for i in range(len(self.batch)))
+
+    def passes(self) -> list[list[int]]:
+        """Group reductions into passes over N (see rewrite.assign_passes)."""
+        level: list[int] = []
+        for j, r in enumerate(self.reductions):
+            deps = refs(r.body, "red")
+            lv = 0
+            for d in deps:
+                lv = max(lv, level[d] if r.online == d else level[d] + 1)
+            level.append(lv)
+        return [[j for j, lv in enumerate(level) if lv == p] for p in range(max(level, default=-1) + 1)]
+
+    def __str__(self) -> str:
+        lines = [f"region batch={self.batch} M={self.M} N={self.N} DK={self.DK} DV={self.DV}"]
+        for i, x in enumerate(self.inputs):
+            lines.append(f"  in{i}: {x.name} {tuple(x.shape)} {x.dtype}")
+        for i, d in enumerate(self.dots):
+            lines.append(f"  dot{i}: q={fmt(d.q)}  k={fmt(d.k)}")
+        for j, r in enumerate(self.reductions):
+            extra = f" v={fmt(r.v)}" if r.v is not None else ""
+            on = f" online(red{r.online})" if r.online is not None else ""
+            lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
+        lines.append(f"  out = {fmt(self.out)}")
+        return "\n".join(lines)
+
+
+class VerifyError(AssertionError):
+    pass
+
+
+def verify(region: Region) -> Region:
+    """Check scoping: each expression uses only the index vars and leaves of its context."""
+    b = set(region.batch_vars)
+
+    def check(e: Expr, allowed: set[str], what: str, max_red: int, dots: bool):
+        extra = free_vars(e) - allowed
+        if extra:
+            raise VerifyError(f"{what} uses index vars {sorted(extra)}: {fmt(e)}")
+        for x in walk(e):
+            if x.op == "load" and not 0 <= x.args[0] < len(region.inputs):
+                raise VerifyError(f"{what} loads unknown input {x.args[0]}")
+            if x.op == "load" and len(x.args[1]) != len(region.inputs[x.args[0]].shape):
+                raise VerifyError(f"{what} indexes in{x.args[0]} with the wrong rank: {fmt(x)}")
+            if x.op == "red" and not x.args[0] < max_red:
+                raise VerifyError(f"{what} reads red{x.args[0]} before it is computed")
+            if x.op == "dot" and (not dots or x.args[0] >= len(region.dots)):
+                raise VerifyError(f"{what} reads {fmt(x)} outside the score context")
+
+    for i, d in enumerate(region.dots):
+        check(d.q, b | {"m", "dk"}, f"dot{i}.q", 0, False)
+        check(d.k, b | {"n", "dk"}, f"dot{i}.k", 0, False)
+    for j, r in enumerate(region.reductions):
+        check(r.body, b | {"m", "n"}, f"red{j}.body", j, True)
+        if r.v is not None:
+            check(r.v, b | {"n", "dv"}, f"red{j}.v", 0, False)
+        if r.online is not None and region.reductions[r.online].kind != "max":
+            raise VerifyError(f"red{j} is rescaled by red{r.online}, which is not a max")
+    check(region.out, b | {"m", "dv"}, "out", len(region.reductions), False)
+    return region

@@ -1,0 +1,164 @@
+"""Runtime (DESIGN.md §7): each fused region is a call of the ``flashlight::region`` custom op.
+
+The op takes the region's key and its input tensors. It has a fake implementation (shapes only)
+and registered autograd, so Dynamo, AOT autograd, Inductor and CUDA graphs treat it as opaque.
+On CUDA it launches the generated kernel; on CPU it runs the same kernel under the Triton
+interpreter when ``TRITON_INTERPRET=1``, and otherwise the region's reference evaluator.
+The backward (``flashlight::region_backward``) currently differentiates the reference evaluator.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import triton
+
+from ..codegen import generate
+from ..ir import Region
+from ..ir.evaluate import compute_dtype, evaluate
+from ..tune import Config, bucket, candidates, head_block
+from .cache import load_module, source_hash
+
+REGISTRY: dict[str, "CompiledRegion"] = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass
+class CompiledRegion:
+    region: Region
+    source: str
+    name: str
+    path: Path
+    kernel: object
+    tuned: dict = field(default_factory=dict)
+    launches: int = 0
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        r = self.region
+        return (*r.batch, r.M, r.DV)
+
+    # -- forward ------------------------------------------------------------------------------
+    def check(self, inputs: list[torch.Tensor]) -> None:
+        spec = self.region.inputs
+        if len(inputs) != len(spec):
+            raise ValueError(f"{self.name}: expected {len(spec)} inputs, got {len(inputs)}")
+        for x, s in zip(inputs, spec):
+            if tuple(x.shape) != s.shape:
+                raise ValueError(f"{self.name}: input {s.name} has shape {tuple(x.shape)}, compiled for {s.shape}")
+        devices = {x.device for x in inputs if x.dim() > 0}
+        if len(devices) > 1:
+            raise RuntimeError(f"{self.name}: inputs on several devices: {sorted(map(str, devices))}")
+
+    def uses_kernel(self, inputs: list[torch.Tensor]) -> bool:
+        if compute_dtype(inputs) == torch.float64:
+            return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path
+        return inputs[0].device.type == "cuda" or interpreting()
+
+    def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        self.check(inputs)
+        if not self.uses_kernel(inputs):
+            return evaluate(self.region, inputs).to(self.region.out_dtype)
+        return self.launch(inputs, self.config(inputs))
+
+    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> torch.Tensor:
+        r = self.region
+        out = torch.empty(self.out_shape, dtype=r.out_dtype, device=inputs[0].device)
+        args: list = []
+        for x in inputs:
+            args += [x, *x.stride()]
+        args += [out, *out.stride(), *r.batch, r.M, r.N, r.DK, r.DV]
+        grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
+        self.kernel[grid](*args, BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        self.launches += 1
+        return out
+
+    def config(self, inputs: list[torch.Tensor]) -> Config:
+        r = self.region
+        on_gpu = inputs[0].device.type == "cuda" and not interpreting()
+        configs = candidates(r.M, r.N, max(head_block(r.DK), head_block(r.DV)), on_gpu, len(r.dots))
+        if len(configs) == 1:
+            return configs[0]
+        key = bucket(r.M, r.N, math.prod(r.batch))
+        if key not in self.tuned:
+            self.tuned[key] = self.autotune(inputs, configs)
+        return self.tuned[key]
+
+    def autotune(self, inputs, configs: list[Config]) -> Config:
+        from triton.testing import do_bench
+        best, best_t = configs[0], float("inf")
+        for cfg in configs:
+            try:
+                t = do_bench(lambda: self.launch(inputs, cfg), warmup=5, rep=20, return_mode="median")
+            except Exception:  # noqa: BLE001 — a config that does not fit (shared memory) is skipped
+                continue
+            if t < best_t:
+                best, best_t = cfg, t
+        return best
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+        with torch.enable_grad():
+            xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+            out = evaluate(self.region, xs)
+            diff = [x for x in xs if x.requires_grad]
+            grads = iter(torch.autograd.grad(out, diff, grad.to(out.dtype), allow_unused=True))
+        result = []
+        for x in xs:
+            g = next(grads) if x.requires_grad else None
+            result.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
+        return result
+
+
+def compile_region(region: Region) -> CompiledRegion:
+    """Generate, write and import the kernel for ``region``; register it under its key."""
+    placeholder = "fl_fwd"
+    source = generate(region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+    name = f"fl_fwd_{source_hash(source)}"
+    source = source.replace(f"def {placeholder}(", f"def {name}(")
+    if name not in REGISTRY:
+        module, path = load_module(name, source)
+        REGISTRY[name] = CompiledRegion(region, source, name, path, getattr(module, name))
+    return REGISTRY[name]
+
+
+@torch.library.custom_op("flashlight::region", mutates_args=())
+def region_op(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    return REGISTRY[key].forward(list(inputs))
+
+
+@region_op.register_fake
+def _region_fake(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    c = REGISTRY[key]
+    return inputs[0].new_empty(c.out_shape, dtype=c.region.out_dtype)
+
+
+@torch.library.custom_op("flashlight::region_backward", mutates_args=())
+def region_backward(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    return REGISTRY[key].backward(list(inputs), grad)
+
+
+@region_backward.register_fake
+def _region_backward_fake(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in inputs]
+
+
+def _setup_context(ctx, inputs, output):
+    key, tensors = inputs
+    ctx.key = key
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, grad):
+    tensors = list(ctx.saved_tensors)
+    grads = region_backward(ctx.key, tensors, grad)
+    return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
+
+
+region_op.register_autograd(_backward, setup_context=_setup_context)
