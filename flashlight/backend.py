@@ -30,6 +30,7 @@ class GraphReport:
     """What one backend call did: the fused regions (with their compiled kernels) and fallbacks."""
     regions: list = field(default_factory=list)        # runtime.op.CompiledRegion
     fallbacks: list[Fallback] = field(default_factory=list)
+    graph: fx.GraphModule | None = None                # what Inductor receives
 
 
 _LISTENERS: list[list[GraphReport]] = []   # explain() collects reports here
@@ -64,6 +65,7 @@ def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphRepor
     if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
         report.fallbacks.append(Fallback("graph", "-", "dynamic shapes are not supported yet "
                                          "(compile with dynamic=False)", ""))
+        report.graph = gm
         return gm, report
     aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
@@ -77,10 +79,12 @@ def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphRepor
         replace(aten_gm.graph, m, compiled.name)
         report.regions.append(compiled)
     if not report.regions:
+        report.graph = gm
         return gm, report
     aten_gm.graph.eliminate_dead_code()
     aten_gm.recompile()
     _debug("replace", aten_gm.code)
+    report.graph = aten_gm
     return aten_gm, report
 
 

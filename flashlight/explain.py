@@ -22,11 +22,14 @@ def features(region: Region) -> list[str]:
         feats.add("bias")
     if any(x.op in ("sub", "le", "lt", "ge", "gt") and {"m", "n"} <= free_vars(x) for x in nodes):
         feats.add("index-mask")
-    for d in region.dots:
-        qb = [x for x in walk(d.q) if x.op == "load"]
-        kb = [x for x in walk(d.k) if x.op == "load"]
-        if qb and kb and qb[0].args[1][:-2] != kb[0].args[1][:-2]:
+    bvars = set(region.batch_vars)
+    for d in region.dots:     # K/V heads shared by query heads: fewer batch vars, or h // group
+        if free_vars(d.k) & bvars != free_vars(d.q) & bvars or any(
+                x.op == "idiv" and free_vars(x) & bvars for x in walk(d.k)):
             feats.add("gqa")
+    if any(x.kind == "f" and x.op not in ("load", "const") and {"m", "n"} & free_vars(x)
+           and not refs(x, "dot") and not refs(x, "red") for x in nodes):
+        feats.add("bias")
     if any(x.op == "tanh" for x in nodes):
         feats.add("softcap")
     if any(r.online is not None for r in region.reductions):
@@ -62,6 +65,7 @@ class RegionReport:
 class Report:
     regions: list[RegionReport] = field(default_factory=list)
     fallbacks: list[Fallback] = field(default_factory=list)
+    graphs: list[torch.fx.GraphModule] = field(default_factory=list)   # what Inductor received
 
     def __str__(self) -> str:
         lines = [f"flashlight: {len(self.regions)} fused region(s), {len(self.fallbacks)} fallback(s)"]
@@ -95,4 +99,5 @@ def explain(fn, *args, **kwargs) -> Report:
     for g in collected:
         report.regions += [region_report(c) for c in g.regions]
         report.fallbacks += g.fallbacks
+        report.graphs.append(g.graph)
     return report

@@ -524,7 +524,8 @@ RULES: dict = {
     aten.logical_and: binary("and"), aten.logical_or: binary("or"), aten.logical_xor: binary("xor"),
     aten.logical_not: unary("not"), aten.bitwise_not: _bool_only(unary("not")),
     aten.bitwise_and: _bool_only(binary("and")), aten.bitwise_or: _bool_only(binary("or")),
-    aten.bitwise_xor: _bool_only(binary("xor")),
+    aten.bitwise_xor: _bool_only(binary("xor")), aten.__and__: _bool_only(binary("and")),
+    aten.__or__: _bool_only(binary("or")), aten.__xor__: _bool_only(binary("xor")),
     aten.where: _where, aten.masked_fill: _masked_fill,
     # casts and no-ops
     aten.to: _cast, aten._to_copy: _cast, aten.type_as: _cast, aten.clone: _identity,

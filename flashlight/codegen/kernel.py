@@ -30,25 +30,26 @@ CTX_V = _ctx("v", ("n", "offs_n"), ("dv", "offs_dv"))
 CTX_O = _ctx("o", ("m", "offs_m"), ("dv", "offs_dv"))
 
 
-def operand_dtype(e: Expr, region: Region) -> torch.dtype:
-    """Tensor-core operand type of a dot operand: that of the tensor it reads (fp32 otherwise)."""
+def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
+    """Tensor-core operand type of a dot operand: that of the tensor it reads (fp32 otherwise).
+    Triton 3.6's interpreter computes bf16 dots wrongly, so there bf16 operands go as fp32."""
     for i in sorted(refs(e, "load")):
         dt = region.inputs[i].dtype
         if dt in TL_DTYPE:
-            return dt
+            return torch.float32 if interpret and dt == torch.bfloat16 else dt
     return torch.float32
 
 
 class KernelWriter:
-    def __init__(self, region: Region, name: str, allow_tf32: bool = False):
-        self.r, self.name = region, name
+    def __init__(self, region: Region, name: str, allow_tf32: bool = False, interpret: bool = False):
+        self.r, self.name, self.interpret = region, name, interpret
         self.precision = '"tf32"' if allow_tf32 else '"ieee"'
         self.em = Emitter()
         self.outer = Block()
 
     # -- operands of tl.dot -----------------------------------------------------------------
     def dot_operand(self, e: Expr, ctx: Ctx, block: Block) -> tuple[str, torch.dtype]:
-        dt = operand_dtype(e, self.r)
+        dt = operand_dtype(e, self.r, self.interpret)
         if e.op == "load":   # a bare load keeps its storage type: no round trip through fp32
             raw = self.em.load(e, ctx, block)
             return (raw if self.r.inputs[e.args[0]].dtype == dt else f"{raw}.to({TL_DTYPE[dt]})"), dt
@@ -162,8 +163,9 @@ class KernelWriter:
                 f"{doc}\n{body}\n")
 
 
-def generate(region: Region, name: str, allow_tf32: bool = False) -> str:
-    """Triton source of the forward kernel for ``region``; raises CodegenError if unsupported."""
+def generate(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False) -> str:
+    """Triton source of the forward kernel for ``region``; raises CodegenError if unsupported.
+    ``interpret``: the kernel will run under Triton's CPU interpreter."""
     if region.DK is None:
         raise CodegenError("region has no score contraction")
-    return KernelWriter(region, name, allow_tf32).write()
+    return KernelWriter(region, name, allow_tf32, interpret).write()

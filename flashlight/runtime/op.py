@@ -119,7 +119,8 @@ class CompiledRegion:
 def compile_region(region: Region) -> CompiledRegion:
     """Generate, write and import the kernel for ``region``; register it under its key."""
     placeholder = "fl_fwd"
-    source = generate(region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+    source = generate(region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                      interpret=interpreting())
     name = f"fl_fwd_{source_hash(source)}"
     source = source.replace(f"def {placeholder}(", f"def {name}(")
     if name not in REGISTRY:

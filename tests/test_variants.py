@@ -1,0 +1,46 @@
+"""Every example variant fuses into one generated kernel and matches float64 eager."""
+import pytest
+import torch
+
+from flashlight.examples import VARIANTS, key_padding
+from helpers import check_fused
+
+SHAPES = [dict(B=1, H=2, M=37, D=16), dict(B=2, H=2, M=70, D=32)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{M}D{D}".format(**s))
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_fuses_and_matches_fp64(name, shape):
+    mod = VARIANTS[name]
+    check_fused(mod.attention, *mod.make_inputs(**shape))
+
+
+def test_small_window_and_prefix_change_the_result():
+    """Window/prefix sizes smaller than the sequence, so the masks actually cut."""
+    from flashlight.examples import prefix_lm, sliding_window
+    q, k, v = sliding_window.make_inputs(B=1, H=2, M=50, D=16)
+    check_fused(lambda q, k, v: sliding_window.attention(q, k, v, window=7), q, k, v)
+    check_fused(lambda q, k, v: prefix_lm.attention(q, k, v, prefix=9), q, k, v)
+
+
+def test_fully_masked_rows_give_zero_not_nan():
+    q, k, v, valid = key_padding.make_inputs(B=2, H=2, M=20, N=33, D=16, lengths=[0, 5])
+    out, _ = check_fused(key_padding.attention, q, k, v, valid)
+    assert torch.all(out[0] == 0)
+    assert not torch.isnan(out).any()
+
+
+def test_finite_mask_value_matches_eager_on_empty_rows():
+    """-1e9 instead of -inf: an all-masked row is a uniform average in eager, and here too."""
+    def attn(q, k, v, valid):
+        s = q @ k.mT * q.shape[-1] ** -0.5
+        return torch.softmax(s.masked_fill(~valid[:, None, None, :], -1e9), -1) @ v
+    q, k, v, valid = key_padding.make_inputs(B=2, H=2, M=20, N=33, D=16, lengths=[0, 5])
+    out, _ = check_fused(attn, q, k, v, valid)
+    assert out[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    mod = VARIANTS["causal"]
+    check_fused(mod.attention, *mod.make_inputs(B=1, H=2, M=40, D=16, dtype=dtype), tol=2e-2)
