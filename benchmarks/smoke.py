@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +59,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def short(e: BaseException, limit: int = 160) -> str:
+def short(e: BaseException, limit: int = 200) -> str:
+    """One line: the exception, with its root cause first when it was chained (Dynamo wraps)."""
+    root, seen = e, set()
+    while (root.__cause__ or root.__context__) is not None and id(root) not in seen:
+        seen.add(id(root))
+        root = root.__cause__ or root.__context__
     msg = " ".join(str(e).split())
+    if root is not e:
+        msg = f"[{type(root).__name__}: {' '.join(str(root).split())[:120]}] {msg}"
     return f"{type(e).__name__}: {msg}"[:limit]
 
 
@@ -188,7 +196,8 @@ def sdpa_call(name: str, inputs):
 
 def bench_sdpa_backend(bench, call, backend):
     from torch.nn.attention import sdpa_kernel
-    with sdpa_kernel(backend):
+    with sdpa_kernel(backend), warnings.catch_warnings():
+        warnings.simplefilter("ignore")    # "flash can't take attn_mask" etc.: the note says it
         call()                          # raise here (not inside do_bench) if unsupported
         return bench(call)
 

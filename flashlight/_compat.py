@@ -14,9 +14,12 @@ def compile_fx(gm, example_inputs):
 def make_fx_pre_dispatch(fn, args):
     """Trace ``fn`` to ATen ops above autograd, on fresh fake tensors, keeping node metadata
     (stack traces) of the graph being interpreted."""
+    from torch._guards import tracing
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.traceback import preserve_node_meta
-    with preserve_node_meta():
+    # Outside Dynamo's tracing context, make_fx makes its own fake mode with static shapes;
+    # inside it, it would borrow Dynamo's symbolic one and add guards Dynamo cannot express.
+    with tracing(None), preserve_node_meta():
         return make_fx(fn, tracing_mode="fake", pre_dispatch=True)(*args)
 
 

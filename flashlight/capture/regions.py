@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..ir import Input, Region, refs
+from ..ir import Input, Region, free_vars, refs
 from .symbolic import RULES, Builder, Unsupported, meta, static_shape
 
 aten = torch.ops.aten
@@ -96,6 +96,14 @@ def _extend_epilogue(node: fx.Node) -> fx.Node:
     return node
 
 
+def _is_attention(b: Builder) -> bool:
+    """Scores normalised over keys, or keys that are per-sequence data. ``act(x @ W1) @ W2``
+    (an MLP: keys are a weight shared by every batch element) is left to Inductor and cuBLAS."""
+    if any(r.kind != "dot" for r in b.reductions):
+        return True
+    return any(free_vars(d.k) & {v.args[0] for v in b.bvars} for d in b.dots)
+
+
 def _looks_like_attention(node: fx.Node, depth: int = 12) -> bool:
     frontier, seen = list(_operands(node)[:1]), set()
     while frontier and depth:
@@ -112,24 +120,27 @@ def _looks_like_attention(node: fx.Node, depth: int = 12) -> bool:
     return False
 
 
-def build(contraction: fx.Node) -> Match | None:
-    """Build the region rooted at ``contraction`` (extended through its epilogue)."""
+def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
+    """Build the region rooted at ``contraction`` (extended through its epilogue). Returns the
+    match (None if this is no attention region) and the builder, whose leaves explain why not."""
     geom = _geometry(contraction)
     if geom is None:
-        return None
+        return None, None
     batch, M, N, DV = geom
     root = _extend_epilogue(contraction)
     b = Builder(batch, M, N, DV)
     out = b.sym(root)(b.bvars + (b.m, b.dv))
     if not b.dots or not any(r.kind == "dot" for r in b.reductions) or not refs(out, "red"):
-        return None
+        return None, b
+    if not _is_attention(b):
+        return None, None
     region = Region(
         batch=batch, M=M, N=N, DK=b.DK, DV=DV,
         inputs=[Input(n.name, static_shape(meta(n)), meta(n).dtype) for n in b.inputs],
         dots=list(b.dots), reductions=list(b.reductions), out=out,
         out_dtype=meta(root).dtype, source=source_line(contraction),
     )
-    return Match(root, region, list(b.inputs), b.inner | {root})
+    return Match(root, region, list(b.inputs), b.inner | {root}), b
 
 
 def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:
@@ -138,28 +149,26 @@ def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:
         if packet(node) not in CONTRACTIONS or node in claimed:
             continue
         try:
-            match = build(node)
+            match, builder = build(node)
         except Unsupported as e:
             where = e.node or node
             fallbacks.append(Fallback(node.name, str(node.target), str(e), source_line(where) or source_line(node)))
             continue
         if match is None:
             if _looks_like_attention(node):
-                fallbacks.append(Fallback(node.name, str(node.target), _why_not(node), source_line(node)))
+                fallbacks.append(Fallback(node.name, str(node.target), _why_not(builder), source_line(node)))
             continue
         claimed |= match.inner
         matches.append(match)
     return matches, fallbacks
 
 
-def _why_not(node: fx.Node) -> str:
-    """Name the first op between the softmax and the contraction that has no fusion rule."""
-    x = _operands(node)[0]
-    while isinstance(x, fx.Node) and packet(x) not in SOFTMAX_LIKE:
-        if packet(x) not in RULES:
-            return f"the probabilities pass through {x.target}, which has no fusion rule"
-        ins = [a for a in x.all_input_nodes if meta(a) is not None and meta(a).dim() >= 2]
-        if not ins:
-            break
-        x = ins[0]
+def _why_not(b: Builder | None) -> str:
+    """Name the score-sized tensor that no rule could see through."""
+    for leaf in sorted(b.leaves if b else (), key=lambda n: n.name):
+        shape = tuple(meta(leaf).shape)
+        if shape[-2:] == (b.M, b.N) and leaf.op == "call_function":
+            where = source_line(leaf)
+            return (f"the scores pass through {leaf.target}, which has no fusion rule for these "
+                    f"arguments" + (f" ({where})" if where else ""))
     return "no score contraction q @ k^T reaches this product through supported ops"

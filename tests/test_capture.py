@@ -1,0 +1,126 @@
+"""Capture accepts the common spellings of attention, and falls back (with a reason) otherwise."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashlight
+from flashlight.testing import reference, rel_error
+from helpers import check_fused
+
+B, H, M, N, D = 2, 2, 21, 35, 16
+
+
+def qkv(m=M, n=N, d=D, h=H, hkv=None):
+    return (torch.randn(B, h, m, d), torch.randn(B, hkv or h, n, d), torch.randn(B, hkv or h, n, d))
+
+
+SPELLINGS = {
+    "bmm_3d": lambda q, k, v: torch.bmm(torch.softmax(torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)) / 4, -1),
+                                        v.flatten(0, 1)),
+    "einsum": lambda q, k, v: torch.einsum("bhmn,bhnd->bhmd", torch.einsum("bhmd,bhnd->bhmn", q, k).softmax(-1), v),
+    "mT_and_scaled_q": lambda q, k, v: F.softmax((q * 0.25) @ k.mT, dim=-1) @ v,
+    "divide_scores": lambda q, k, v: torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)) / 4.0, -1), v),
+    "softmax_fp32_then_cast": lambda q, k, v: (q @ k.mT).softmax(-1, dtype=torch.float32).to(q.dtype) @ v,
+    "additive_float_mask": lambda q, k, v: torch.softmax(
+        q @ k.mT + torch.zeros(M, N).masked_fill((torch.arange(M * N).view(M, N) * 7) % 10 > 6, float("-inf")), -1) @ v,
+    "finite_mask": lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(
+        torch.arange(N)[None, :] > torch.arange(M)[:, None] + 3, -1e9), -1) @ v,
+    "triu_mask": lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(
+        torch.ones(M, N, dtype=torch.bool).triu(1), float("-inf")), -1) @ v,
+    "log_softmax_exp": lambda q, k, v: torch.exp(torch.log_softmax(q @ k.mT, -1)) @ v,
+}
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_spelling_fuses(name):
+    check_fused(SPELLINGS[name], *qkv())
+
+
+@pytest.mark.parametrize("shape", [(H, 1, N), (B, 1, M, N), (1, 1, 1, N), (M, 1), (B, H, M, N)])
+def test_bias_of_any_broadcast_shape(shape):
+    bias = torch.randn(shape)
+    # a full [B, H, M, N] bias is an input tensor: reading it is fine, building one is not
+    numel = B * H * M * N + 1 if shape == (B, H, M, N) else None
+    check_fused(lambda q, k, v, b: torch.softmax(q @ k.mT * 0.25 + b, -1) @ v, *qkv(), bias, score_numel=numel)
+
+
+def test_bias_read_twice():
+    bias = torch.randn(H, M, N)
+    check_fused(lambda q, k, v, b: torch.softmax(q @ k.mT + b - 0.5 * b.abs(), -1) @ v, *qkv(), bias,
+                score_numel=B * H * M * N)
+
+
+@pytest.mark.parametrize("how", ["repeat_interleave", "view_5d", "expand_reshape"])
+def test_gqa_spellings(how):
+    q, k, v = qkv(h=4, hkv=2)
+
+    def attn(q, k, v):
+        if how == "repeat_interleave":
+            k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        elif how == "expand_reshape":
+            k = k[:, :, None].expand(B, 2, 2, N, D).reshape(B, 4, N, D)
+            v = v[:, :, None].expand(B, 2, 2, N, D).reshape(B, 4, N, D)
+        else:
+            qg = q.view(B, 2, 2, M, D)
+            out = torch.softmax(qg @ k[:, :, None].mT * 0.25, -1) @ v[:, :, None]
+            return out.reshape(B, 4, M, D)
+        return torch.softmax(q @ k.mT * 0.25, -1) @ v
+    _, report = check_fused(attn, q, k, v)
+    assert "gqa" in report.regions[0].features
+
+
+def test_non_contiguous_bshd_inputs():
+    q, k, v = (torch.randn(B, L, H, D).transpose(1, 2) for L in (M, N, N))
+    check_fused(lambda q, k, v: torch.softmax(q @ k.mT / 4, -1) @ v, q, k, v)
+
+
+def test_relative_position_index_bias():
+    table = torch.randn(H, 2 * 64 + 1)
+
+    def attn(q, k, v, table):
+        rel = torch.arange(N)[None, :] - torch.arange(M)[:, None] + 64
+        return torch.softmax(q @ k.mT + table[:, rel], -1) @ v
+    args = (*qkv(), table)
+    out = torch.compile(attn, backend="flashlight")(*args)   # the gather is still a leaf today
+    assert rel_error(out, reference(attn, *args)) < 1e-3
+
+
+# ------------------------------------------------------------------------------------ fallbacks
+def test_softmax_over_query_dim_falls_back_with_reason():
+    def attn(q, k, v):
+        return torch.softmax(q @ k.mT, dim=-2) @ v     # over queries: not attention over keys
+    q, k, v = qkv(m=N)
+    report = flashlight.explain(attn, q, k, v)
+    assert not report.regions
+    out = torch.compile(attn, backend="flashlight")(q, k, v)
+    assert rel_error(out, reference(attn, q, k, v)) < 1e-6
+
+
+def test_training_dropout_falls_back_with_reason_and_source_line():
+    def attn(q, k, v):
+        return F.dropout(torch.softmax(q @ k.mT, -1), p=0.5, training=True) @ v
+    report = flashlight.explain(attn, *qkv())
+    assert not report.regions
+    assert report.fallbacks and "dropout" in report.fallbacks[0].reason
+    assert "test_capture.py" in report.fallbacks[0].source
+    assert "fallback" in str(report)
+
+
+def test_scores_used_elsewhere_still_correct():
+    """A program that also returns the probabilities: the output fuses, the probabilities are
+    computed as before for the user."""
+    def attn(q, k, v):
+        p = torch.softmax(q @ k.mT * 0.25, -1)
+        return p @ v, p
+    q, k, v = qkv()
+    out, p = torch.compile(attn, backend="flashlight")(q, k, v)
+    ref_out, ref_p = attn(*(x.double() for x in (q, k, v)))
+    assert rel_error(out, ref_out) < 1e-3 and rel_error(p, ref_p) < 1e-5
+
+
+def test_plain_matmuls_are_left_alone():
+    def mlp(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+    x, w1, w2 = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 4)
+    report = flashlight.explain(mlp, x, w1, w2)
+    assert not report.regions and not report.fallbacks
