@@ -1,0 +1,87 @@
+import triton
+import triton.language as tl
+
+@triton.jit
+def fl_floordiv(a, b):
+    # Python floor division for integers of any sign (Triton's // truncates)
+    q = a // b
+    return q - ((a % b != 0) & ((a < 0) != (b < 0))).to(q.dtype)
+
+
+@triton.jit
+def fl_mod(a, b):
+    # Python remainder: takes the sign of the divisor
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def fl_fwd_snapshot(
+    in0_ptr,
+    in0_s0,
+    in0_s1,
+    in0_s2,
+    in1_ptr,
+    in1_s0,
+    in1_s1,
+    in1_s2,
+    in2_ptr,
+    in2_s0,
+    in2_s1,
+    in2_s2,
+    out_ptr,
+    out_s0,
+    out_s1,
+    out_s2,
+    B0,
+    M,
+    N,
+    DK,
+    DV,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # region batch=(2,) M=5 N=7 DK=4 DV=4
+    #   in0: q (2, 5, 4) torch.float32
+    #   in1: k (2, 7, 4) torch.float32
+    #   in2: v (2, 7, 4) torch.float32
+    #   dot0: q=in0[b0, m, dk]  k=in1[b0, n, dk]
+    #   red0 = max_n mul(dot0, 0.5)
+    #   red1 = sum_n exp(sub(mul(dot0, 0.5), red0)) online(red0)
+    #   red2 = dot_n exp(sub(mul(dot0, 0.5), red0)) v=in2[b0, n, dv] online(red0)
+    #   out = div_safe(red2, red1)
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    b0 = pid_b % B0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_m = offs_m < M
+    mask_dk = offs_dk < DK
+    mask_dv = offs_dv < DV
+    # pass 0: reductions [0, 1, 2] over N
+    r0 = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
+    r1 = tl.full([BLOCK_M, 1], 0.0, tl.float32)
+    r2 = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
+    ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
+    for start_n in range(0, N, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+        qk0 = tl.dot(ld1, ld2, input_precision="ieee")
+        t3 = (qk0 * (0.5))
+        r0_new = tl.maximum(r0, tl.max(tl.where(mask_n[None, :], t3, float("-inf")), 1, keep_dims=True))
+        r0_safe = tl.where(r0_new == float("-inf"), 0.0, r0_new)  # exp(-inf - 0) = 0, not NaN
+        alpha0 = tl.exp(r0 - r0_safe)  # rescale of sums taken under the old max
+        t4 = (t3 - r0_safe)
+        t5 = (tl.exp(t4))
+        r1 = r1 * alpha0 + tl.sum(tl.where(mask_n[None, :], t5, 0.0), 1, keep_dims=True)
+        ld6 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+        p7 = tl.where(mask_n[None, :], t5, 0.0).to(tl.float32)
+        r2 = tl.dot(p7, ld6, r2 * alpha0, input_precision="ieee")
+        r0 = r0_new
+    r0_s = tl.where(r0 == float("-inf"), 0.0, r0)
+    t8 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
+    tl.store(out_ptr + b0 * out_s0 + offs_m[:, None] * out_s1 + offs_dv[None, :] * out_s2, t8.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])

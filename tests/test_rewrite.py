@@ -1,0 +1,50 @@
+"""Rewrite rules on the IR: each rule fires where its algebra holds, and declines elsewhere."""
+import torch
+
+from flashlight.ir import Reduction, call, const, dot, red, var
+from flashlight.ir.evaluate import evaluate
+from flashlight.rewrite import factor_rows, make_online, rewrite, scales
+from test_ir import softmax_region
+
+n = var("n")
+
+
+def test_online_rule_fires_for_softmax():
+    r = rewrite(softmax_region())
+    assert [x.online for x in r.reductions] == [None, 0, 0]
+    assert r.passes() == [[0, 1, 2]]
+
+
+def test_factor_rule_moves_normaliser_to_output():
+    r = softmax_region()
+    s = call("mul", dot(0), const(0.5))
+    p = call("div_safe", call("exp", call("sub", s, red(0))), red(1))
+    r.reductions[2] = Reduction("dot", p, r.reductions[2].v)
+    r.out = red(2)
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    before = evaluate(r, [q, k, v])
+    r2 = factor_rows(r)
+    assert r2 is not None and r2.out == call("div_safe", red(2), red(1))
+    assert torch.allclose(evaluate(r2, [q, k, v]), before, atol=1e-6)
+    assert make_online(r2) is not None
+
+
+def test_scales_declines_when_not_homogeneous():
+    s = dot(0)
+    assert scales(call("exp", call("sub", s, red(0))), 0)
+    assert scales(call("mul", call("exp", call("sub", s, red(0))), n), 0)
+    assert scales(call("where", call("lt", n, const(3)), call("exp", call("sub", s, red(0))), const(0.0)), 0)
+    assert not scales(call("exp", call("sub", s, call("mul", red(0), const(2.0)))), 0)   # exp(x - 2m)
+    assert not scales(call("add", call("exp", call("sub", s, red(0))), const(1.0)), 0)    # + 1
+    assert not scales(call("sub", s, red(0)), 0)
+
+
+def test_non_online_reduction_gets_second_pass():
+    """sum_n (s - m)^2 does not rescale: it must wait for the max, in a second pass."""
+    r = softmax_region()
+    s = call("mul", dot(0), const(0.5))
+    d = call("sub", s, red(0))
+    r.reductions[1] = Reduction("sum", call("mul", d, d))
+    r = rewrite(r)
+    assert r.reductions[1].online is None
+    assert r.passes() == [[0, 2], [1]]

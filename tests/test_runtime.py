@@ -1,0 +1,86 @@
+"""Runtime: autograd through the fused op, fp64 gradcheck, call-time errors, kernel cache,
+and isolation from programs compiled with the default backend."""
+import pytest
+import torch
+
+import flashlight
+from flashlight.examples import VARIANTS, alibi, causal, document_mask
+from flashlight.runtime.cache import load_module
+from flashlight.testing import rel_error, to64
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi", "document_mask", "gqa"])
+def test_gradients_match_fp64_eager(name):
+    mod = VARIANTS[name]
+    inputs = mod.make_inputs(B=1, H=2, M=29, D=16)
+    leaves = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out = torch.compile(mod.attention, backend="flashlight")(*leaves)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x for x in leaves if x.requires_grad], g)
+    ref_in = [to64(x).detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    ref = mod.attention(*ref_in)
+    ref_grads = torch.autograd.grad(ref, [x for x in ref_in if x.requires_grad], g.double())
+    for a, b in zip(grads, ref_grads):
+        assert rel_error(a, b) < 1e-3
+
+
+def test_gradient_into_learnable_bias_read_twice():
+    q, k, v = (torch.randn(1, 2, 13, 16) for _ in range(3))
+    bias = torch.randn(2, 13, 13, requires_grad=True)
+
+    def attn(q, k, v, b):
+        return torch.softmax(q @ k.mT * 0.25 + b + b.tanh(), -1) @ v
+    torch.compile(attn, backend="flashlight")(q, k, v, bias).square().sum().backward()
+    b64 = bias.detach().double().requires_grad_()
+    attn(q.double(), k.double(), v.double(), b64).square().sum().backward()
+    assert rel_error(bias.grad, b64.grad) < 1e-3
+
+
+@pytest.mark.parametrize("mod", [causal, alibi, document_mask], ids=lambda m: m.__name__.rsplit(".")[-1])
+def test_gradcheck_fp64(mod):
+    inputs = mod.make_inputs(B=1, H=1, M=6, D=4, dtype=torch.float64)
+    inputs = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
+    fast = torch.compile(mod.attention, backend="flashlight")
+    assert torch.autograd.gradcheck(lambda *xs: fast(*xs), inputs)
+
+
+def test_mismatched_head_dims_raise_like_eager():
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 12), torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError):
+        causal.attention(q, k, v)
+    with pytest.raises(RuntimeError):
+        torch.compile(causal.attention, backend="flashlight")(q, k, v)
+
+
+def test_corrupt_cache_file_is_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHLIGHT_CACHE_DIR", str(tmp_path))
+    src = "VALUE = 42\n"
+    (tmp_path / "fl_test_mod.py").write_text("this is not python(")
+    mod, path = load_module("fl_test_mod", src)
+    assert mod.VALUE == 42 and path.read_text() == src
+
+
+def test_second_compile_reuses_kernel_file():
+    inputs = causal.make_inputs(B=1, H=2, M=20, D=16)
+    r1 = flashlight.explain(causal.attention, *inputs).regions[0]
+    torch.compiler.reset()
+    r2 = flashlight.explain(causal.attention, *inputs).regions[0]
+    assert r1.kernel == r2.kernel and r1.path == r2.path
+
+
+def test_default_backend_is_untouched():
+    """Compiling with flashlight must not change what the default backend does."""
+    inputs = causal.make_inputs(B=1, H=2, M=20, D=16)
+    before = torch.compile(causal.attention)(*inputs)
+    torch.compile(causal.attention, backend="flashlight")(*inputs)
+    torch.compiler.reset()
+    after_fn = torch.compile(causal.attention)
+    after = after_fn(*inputs)
+    assert torch.equal(before, after)
+    report = flashlight.explain(causal.attention, *inputs)
+    assert report.regions     # and flashlight still fuses in the same process
+
+
+def test_backend_registered_by_name():
+    from torch._dynamo import list_backends
+    assert "flashlight" in list_backends(exclude_tags=())
