@@ -40,6 +40,9 @@ def features(region: Region) -> list[str]:
         feats.add(f"{len(region.dots)}-scores")
     if refs(region.out, "load"):
         feats.add("epilogue")
+    from .sparsity import dead_predicate, useful
+    if any(useful(dead_predicate(region, p)) for p in region.passes()):
+        feats.add("block-sparse")
     if region.M != region.N:
         feats.add("cross")
     return sorted(feats)
@@ -54,10 +57,12 @@ class RegionReport:
     source: str
     ir: str
     kernel_source: str
+    skipped: float | None = None     # fraction of key blocks the kernel skipped on these inputs
 
     def __str__(self) -> str:
         s = ", ".join(f"{k}={v}" for k, v in self.shapes.items())
-        return f"{self.kernel}  [{s}]  features: {', '.join(self.features) or '-'}" + \
+        skip = f"  blocks skipped: {self.skipped:.0%}" if self.skipped else ""
+        return f"{self.kernel}  [{s}]  features: {', '.join(self.features) or '-'}{skip}" + \
             (f"\n      at {self.source}" if self.source else "")
 
 
@@ -77,13 +82,14 @@ class Report:
 def region_report(c) -> RegionReport:
     r = c.region
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
-    return RegionReport(c.name, str(c.path), shapes, features(r), r.source, str(r), c.source)
+    return RegionReport(c.name, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped)
 
 
 def explain(fn, *args, **kwargs) -> Report:
     """Compile ``fn`` with the flashlight backend, run it once on the given inputs, and report
     every fused region and every attention-like candidate that fell back (with the reason)."""
     from .backend import _LISTENERS, flashlight_backend
+    from .runtime import op
 
     collected: list = []
 
@@ -91,10 +97,12 @@ def explain(fn, *args, **kwargs) -> Report:
         return flashlight_backend(gm, example_inputs)
 
     _LISTENERS.append(collected)
+    op.MEASURE_SPARSITY = True
     try:
         torch.compile(fn, backend=backend)(*args, **kwargs)
     finally:
         _LISTENERS.remove(collected)
+        op.MEASURE_SPARSITY = False
     report = Report()
     for g in collected:
         report.regions += [region_report(c) for c in g.regions]

@@ -23,7 +23,7 @@ def run_both(region, *inputs):
 
 
 def test_snapshot_of_softmax_kernel():
-    src = generate(rewrite(softmax_region()), "fl_fwd_snapshot")
+    src, _ = generate(rewrite(softmax_region()), "fl_fwd_snapshot")
     if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not SNAPSHOT.exists():
         SNAPSHOT.write_text(src)
     assert src == SNAPSHOT.read_text(), "generated source changed: review, then UPDATE_SNAPSHOTS=1"

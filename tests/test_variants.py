@@ -5,7 +5,7 @@ import torch
 from flashlight.examples import VARIANTS, key_padding
 from helpers import check_fused
 
-SHAPES = [dict(B=1, H=2, M=37, D=16), dict(B=2, H=2, M=70, D=32)]
+SHAPES = [dict(B=1, H=2, M=37, D=16), dict(B=2, H=2, M=70, D=32), dict(B=1, H=2, M=64, D=24)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M{M}D{D}".format(**s))

@@ -44,7 +44,7 @@ HELPERS = '''
 def fl_floordiv(a, b):
     # Python floor division for integers of any sign (Triton's // truncates)
     q = a // b
-    return q - ((a % b != 0) & ((a < 0) != (b < 0))).to(q.dtype)
+    return q - tl.where((a % b != 0) & ((a < 0) != (b < 0)), 1, 0)
 
 
 @triton.jit

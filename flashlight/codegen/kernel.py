@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import Expr, Region, refs
+from ..sparsity import BlockStat, IntervalWriter, dead_predicate, useful
 from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
@@ -41,11 +42,13 @@ def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
 
 
 class KernelWriter:
-    def __init__(self, region: Region, name: str, allow_tf32: bool = False, interpret: bool = False):
-        self.r, self.name, self.interpret = region, name, interpret
+    def __init__(self, region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
+                 sparse: bool = True):
+        self.r, self.name, self.interpret, self.sparse = region, name, interpret, sparse
         self.precision = '"tf32"' if allow_tf32 else '"ieee"'
         self.em = Emitter()
         self.outer = Block()
+        self.stats: list[BlockStat] = []
 
     # -- operands of tl.dot -----------------------------------------------------------------
     def dot_operand(self, e: Expr, ctx: Ctx, block: Block) -> tuple[str, torch.dtype]:
@@ -72,7 +75,7 @@ class KernelWriter:
             cols = "BLOCK_DV" if red.kind == "dot" else "1"
             out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
         loop.lines.append("offs_n = start_n + tl.arange(0, BLOCK_N)")
-        loop.lines.append("mask_n = offs_n < N")
+        loop.lines.append("mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N")
         needed = set().union(*(refs(x.body, "dot") for x in reds))
         em.dot_names = {}
         for i in sorted(needed):
@@ -106,7 +109,7 @@ class KernelWriter:
         for j, red in zip(members, reds):
             if red.kind == "max":
                 loop.lines.append(f"r{j} = r{j}_new")
-        out.lines.append("for start_n in range(0, N, BLOCK_N):")
+        out.lines.append(f"for start_n in range({self.block_range(members)}, BLOCK_N):")
         out.lines += ["    " + line for line in loop.lines]
         for j, red in zip(members, reds):
             if red.kind == "max":
@@ -114,6 +117,29 @@ class KernelWriter:
                 em.red_names[j] = f"r{j}_s"
             else:
                 em.red_names[j] = f"r{j}"
+
+    def block_range(self, members: list[int]) -> str:
+        """Bounds of the N loop: all blocks, or the live ones found by a scalar scan that
+        evaluates the pass's dead-predicate with interval arithmetic per block."""
+        dead = dead_predicate(self.r, members)
+        if not (self.sparse and useful(dead)):
+            return "0, N"
+        out = self.outer
+        scan: list[str] = []
+        live = IntervalWriter(self.r, self.stats, scan, self.em.fresh).live(dead)
+        first, last = self.em.fresh("first"), self.em.fresh("last")
+        out.lines += [
+            f"# block sparsity: skip key blocks where {_short(dead)}",
+            f"{first} = pid_m * 0 - 1",
+            f"{last} = pid_m * 0 - 2",
+            "for blk in range(0, tl.cdiv(N, BLOCK_N)):",
+            "    n_lo = blk * BLOCK_N",
+            "    n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",
+            *("    " + line for line in scan),
+            f"    {first} = tl.where(({live}) & ({first} < 0), blk, {first})",
+            f"    {last} = tl.where({live}, blk, {last})",
+        ]
+        return f"tl.maximum({first}, 0) * BLOCK_N, ({last} + 1) * BLOCK_N"
 
     # -- whole kernel -------------------------------------------------------------------------
     def signature(self) -> list[str]:
@@ -124,8 +150,12 @@ class KernelWriter:
         nb = len(self.r.batch)
         args.append("out_ptr")
         args += [f"out_s{d}" for d in range(nb + 2)]
-        args += [f"B{d}" for d in range(nb)] + ["M", "N", "DK", "DV"]
-        return args + ["BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
+        for k, st in enumerate(self.stats):
+            args += [f"aux{k}_min", f"aux{k}_max"]
+            args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
+        args += [f"B{d}" for d in range(nb)] + ["M", "N"]
+        return args + ["DK: tl.constexpr", "DV: tl.constexpr", "EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr",
+                       "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                        "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
 
     def write(self) -> str:
@@ -142,9 +172,12 @@ class KernelWriter:
             "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
             "offs_dk = tl.arange(0, BLOCK_DK)",
             "offs_dv = tl.arange(0, BLOCK_DV)",
-            "mask_m = offs_m < M",
-            "mask_dk = offs_dk < DK",
-            "mask_dv = offs_dv < DV",
+            # bounds masks; constant true (and folded away) where the sizes fit the blocks
+            "mask_m = tl.full([BLOCK_M], 1, tl.int1) if EVEN_M else offs_m < M",
+            "m_lo = pid_m * BLOCK_M",
+            "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1",
+            "mask_dk = tl.full([BLOCK_DK], 1, tl.int1) if DK == BLOCK_DK else offs_dk < DK",
+            "mask_dv = tl.full([BLOCK_DV], 1, tl.int1) if DV == BLOCK_DV else offs_dv < DV",
         ]
         for p, members in enumerate(r.passes()):
             out.lines.append(f"# pass {p}: reductions {members} over N")
@@ -163,9 +196,17 @@ class KernelWriter:
                 f"{doc}\n{body}\n")
 
 
-def generate(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False) -> str:
-    """Triton source of the forward kernel for ``region``; raises CodegenError if unsupported.
+def _short(e: Expr, limit: int = 100) -> str:
+    text = str(e)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def generate(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
+             sparse: bool = True) -> tuple[str, list[BlockStat]]:
+    """Triton source of the forward kernel for ``region`` and the per-block statistics its
+    sparsity scan reads; raises CodegenError if unsupported.
     ``interpret``: the kernel will run under Triton's CPU interpreter."""
     if region.DK is None:
         raise CodegenError("region has no score contraction")
-    return KernelWriter(region, name, allow_tf32, interpret).write()
+    w = KernelWriter(region, name, allow_tf32, interpret, sparse)
+    return w.write(), w.stats

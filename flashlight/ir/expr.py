@@ -125,7 +125,7 @@ _FOLD: dict[str, Callable] = {
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
     "idiv": lambda a, b: a // b, "imod": lambda a, b: a % b,
     "floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b,
-    "neg": lambda a: -a, "not": lambda a: not a,
+    "neg": lambda a: -a, "not": lambda a: not a, "abs": abs, "minimum": min, "maximum": max,
     "eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
     "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
     "and": lambda a, b: a and b, "or": lambda a, b: a or b,
@@ -160,6 +160,16 @@ def simplify(e: Expr) -> Expr:
         if is_const(a[1], False) and is_const(a[2], True): return call("not", a[0])
     if e.op == "not" and a[0].op == "not":
         return a[0].args[0]                                                  # not(not c) = c
+    if e.op in ("and", "or") and a[0] == a[1]:
+        return a[0]                                                          # x & x = x | x = x
+    if e.op == "and":
+        if is_const(a[0], False) or is_const(a[1], False): return const(False)
+        if is_const(a[0], True): return a[1]
+        if is_const(a[1], True): return a[0]
+    if e.op == "or":
+        if is_const(a[0], True) or is_const(a[1], True): return const(True)
+        if is_const(a[0], False): return a[1]
+        if is_const(a[1], False): return a[0]
     if e.op in ("to_f", "to_i", "to_b") and a[0].kind == e.kind:
         return a[0]
     return e

@@ -23,6 +23,7 @@ from ..tune import Config, bucket, candidates, head_block
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
+MEASURE_SPARSITY = False     # set by explain(): record the fraction of key blocks skipped
 
 
 def interpreting() -> bool:
@@ -36,8 +37,10 @@ class CompiledRegion:
     name: str
     path: Path
     kernel: object
+    stats: list = field(default_factory=list)       # sparsity.BlockStat, recomputed every call
     tuned: dict = field(default_factory=dict)
     launches: int = 0
+    skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -65,7 +68,10 @@ class CompiledRegion:
         self.check(inputs)
         if not self.uses_kernel(inputs):
             return evaluate(self.region, inputs).to(self.region.out_dtype)
-        return self.launch(inputs, self.config(inputs))
+        cfg = self.config(inputs)
+        if MEASURE_SPARSITY:
+            self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
+        return self.launch(inputs, cfg)
 
     def launch(self, inputs: list[torch.Tensor], cfg: Config) -> torch.Tensor:
         r = self.region
@@ -73,9 +79,14 @@ class CompiledRegion:
         args: list = []
         for x in inputs:
             args += [x, *x.stride()]
-        args += [out, *out.stride(), *r.batch, r.M, r.N, r.DK, r.DV]
+        args += [out, *out.stride()]
+        for st in self.stats:
+            lo, hi = block_minmax(inputs[st.input], st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
+            args += [lo, hi, *lo.stride()]
+        args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
-        self.kernel[grid](*args, BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        self.kernel[grid](*args, DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
+                          BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
         self.launches += 1
         return out
 
@@ -118,16 +129,56 @@ class CompiledRegion:
         return [grads[i].to(x.dtype) if i in grads else torch.zeros_like(x) for i, x in enumerate(inputs)]
 
 
+def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> float | None:
+    """Fraction of (M, N) blocks outside each row block's [first live, last live] range — what
+    the kernel's scan skips when its intervals are exact (index masks, sorted ids); None when the
+    score grid is too large to evaluate here."""
+    from ..ir.evaluate import Evaluator
+    from ..sparsity import dead_predicate, useful
+    if math.prod(region.batch) * region.M * region.N > 1 << 26:
+        return None
+    members = region.passes()[0]
+    dead = dead_predicate(region, members)
+    if not useful(dead):
+        return 0.0
+    ev = Evaluator(region, inputs)
+    d = ev.full(ev.ctx_s(dead), ev.ctx_s).bool().flatten(0, -3)       # [batch, M, N]
+    nm, nn = triton.cdiv(region.M, block_m), triton.cdiv(region.N, block_n)
+    pad = torch.nn.functional.pad(d, (0, nn * block_n - region.N, 0, nm * block_m - region.M), value=True)
+    live = ~pad.view(-1, nm, block_m, nn, block_n).all(4).all(2)      # [batch, nm, nn]
+    idx = torch.arange(nn).expand_as(live)
+    first = torch.where(live, idx, nn).amin(-1, keepdim=True)
+    last = torch.where(live, idx, -1).amax(-1, keepdim=True)
+    visited = (idx >= first) & (idx <= last)
+    return 1.0 - visited.float().mean().item()
+
+
+def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min and max of ``x`` over blocks of ``block`` along ``dim`` (O(numel), every call)."""
+    if x.dtype == torch.bool:
+        x = x.to(torch.int8)
+    n = x.shape[dim]
+    nb = triton.cdiv(n, block)
+    xt = x.movedim(dim, -1)
+    info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
+    pad = nb * block - n
+
+    def reduce(fill, fn):
+        y = torch.nn.functional.pad(xt, (0, pad), value=fill) if pad else xt
+        return fn(y.unflatten(-1, (nb, block)), -1).movedim(-1, dim).contiguous()
+    return reduce(info.max, torch.amin), reduce(info.min, torch.amax)
+
+
 def compile_region(region: Region) -> CompiledRegion:
     """Generate, write and import the kernel for ``region``; register it under its key."""
     placeholder = "fl_fwd"
-    source = generate(region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
-                      interpret=interpreting())
+    source, stats = generate(region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                             interpret=interpreting())
     name = f"fl_fwd_{source_hash(source)}"
     source = source.replace(f"def {placeholder}(", f"def {name}(")
     if name not in REGISTRY:
         module, path = load_module(name, source)
-        REGISTRY[name] = CompiledRegion(region, source, name, path, getattr(module, name))
+        REGISTRY[name] = CompiledRegion(region, source, name, path, getattr(module, name), stats)
     return REGISTRY[name]
 
 

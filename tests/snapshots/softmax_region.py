@@ -5,7 +5,7 @@ import triton.language as tl
 def fl_floordiv(a, b):
     # Python floor division for integers of any sign (Triton's // truncates)
     q = a // b
-    return q - ((a % b != 0) & ((a < 0) != (b < 0))).to(q.dtype)
+    return q - tl.where((a % b != 0) & ((a < 0) != (b < 0)), 1, 0)
 
 
 @triton.jit
@@ -36,8 +36,10 @@ def fl_fwd_snapshot(
     B0,
     M,
     N,
-    DK,
-    DV,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -58,9 +60,11 @@ def fl_fwd_snapshot(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    mask_m = offs_m < M
-    mask_dk = offs_dk < DK
-    mask_dv = offs_dv < DV
+    mask_m = tl.full([BLOCK_M], 1, tl.int1) if EVEN_M else offs_m < M
+    m_lo = pid_m * BLOCK_M
+    m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1
+    mask_dk = tl.full([BLOCK_DK], 1, tl.int1) if DK == BLOCK_DK else offs_dk < DK
+    mask_dv = tl.full([BLOCK_DV], 1, tl.int1) if DV == BLOCK_DV else offs_dv < DV
     # pass 0: reductions [0, 1, 2] over N
     r0 = tl.full([BLOCK_M, 1], float("-inf"), tl.float32)
     r1 = tl.full([BLOCK_M, 1], 0.0, tl.float32)
@@ -68,7 +72,7 @@ def fl_fwd_snapshot(
     ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
     for start_n in range(0, N, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
+        mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
         ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
         qk0 = tl.dot(ld1, ld2, input_precision="ieee")
         t3 = (qk0 * (0.5))

@@ -1,0 +1,240 @@
+"""Sparsity (DESIGN.md §4): find, per (M block, N block), whether a block can be skipped.
+
+Two steps, both derived from the IR of the user's program:
+
+1. ``dead_predicate``: a boolean expression D(b, m, n) such that D implies every reduction of a
+   pass receives its identity at (b, m, n) — ``-inf`` for a max, ``0`` for a sum or a P @ V
+   product. Built by the rule tables ``NEG_INF_WHEN`` and ``ZERO_WHEN`` (``where(mask, s, -inf)``
+   is -inf where the mask is false; ``exp(-inf) = 0``; a product is 0 where a factor is 0).
+2. ``IntervalWriter``: sound interval arithmetic of D over a block, emitted as scalar Triton code.
+   Index variables range over the block; loads that vary along m or n read per-block min/max
+   statistics (``BlockStat``) that the runtime recomputes on every call at O(N) cost, so changing
+   document ids never recompiles and is never stale. A block is skipped only when D is provably
+   true on all of it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..ir import Expr, Region, call, const, free_vars, refs
+
+TRUE, FALSE = const(True), const(False)
+NEG_INF = float("-inf")
+
+
+def _pos_const(e: Expr) -> bool:
+    return e.op == "const" and e.kind != "b" and e.args[0] > 0
+
+
+def neg_inf_when(e: Expr) -> Expr:
+    rule = NEG_INF_WHEN.get(e.op)
+    return rule(e) if rule else FALSE
+
+
+def zero_when(e: Expr) -> Expr:
+    rule = ZERO_WHEN.get(e.op)
+    return rule(e) if rule else FALSE
+
+
+def _branches(c: Expr, wa: Expr, wb: Expr) -> Expr:
+    return call("or", call("and", c, wa), call("and", call("not", c), wb))
+
+
+# e == -inf whenever the predicate holds (non-masked scores are finite).
+NEG_INF_WHEN: dict[str, Callable[[Expr], Expr]] = {
+    "const": lambda e: TRUE if e.args[0] == NEG_INF else FALSE,
+    "where": lambda e: _branches(e.args[0], neg_inf_when(e.args[1]), neg_inf_when(e.args[2])),   # masks
+    "add": lambda e: call("or", neg_inf_when(e.args[0]), neg_inf_when(e.args[1])),   # -inf + finite
+    "sub": lambda e: neg_inf_when(e.args[0]),                                        # -inf - finite
+    "mul": lambda e: neg_inf_when(e.args[0]) if _pos_const(e.args[1]) else
+                     neg_inf_when(e.args[1]) if _pos_const(e.args[0]) else FALSE,    # c * -inf, c > 0
+    "div": lambda e: neg_inf_when(e.args[0]) if _pos_const(e.args[1]) else FALSE,
+    "minimum": lambda e: call("or", neg_inf_when(e.args[0]), neg_inf_when(e.args[1])),
+    "maximum": lambda e: call("and", neg_inf_when(e.args[0]), neg_inf_when(e.args[1])),
+    "to_f": lambda e: neg_inf_when(e.args[0]),
+}
+
+# e == 0 whenever the predicate holds.
+ZERO_WHEN: dict[str, Callable[[Expr], Expr]] = {
+    "const": lambda e: TRUE if e.args[0] == 0 else FALSE,
+    "exp": lambda e: neg_inf_when(e.args[0]),                                        # exp(-inf) = 0
+    "exp2": lambda e: neg_inf_when(e.args[0]),
+    "mul": lambda e: call("or", zero_when(e.args[0]), zero_when(e.args[1])),
+    "div": lambda e: zero_when(e.args[0]),
+    "div_safe": lambda e: zero_when(e.args[0]),
+    "where": lambda e: _branches(e.args[0], zero_when(e.args[1]), zero_when(e.args[2])),
+    "to_f": lambda e: zero_when(e.args[0]),
+    "relu": lambda e: neg_inf_when(e.args[0]),
+}
+
+
+def dead_predicate(region: Region, members: list[int]) -> Expr:
+    """D(b, m, n): every reduction in ``members`` gets its identity at (b, m, n)."""
+    dead = TRUE
+    for j in members:
+        r = region.reductions[j]
+        dead = call("and", dead, neg_inf_when(r.body) if r.kind == "max" else zero_when(r.body))
+    return dead
+
+
+def useful(dead: Expr) -> bool:
+    """Worth a block scan: the predicate can be false and depends on the key index."""
+    return not (dead.op == "const") and "n" in free_vars(dead) and not refs(dead, "dot")
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockStat:
+    """Per-block min and max of input ``input`` along ``dim``, in blocks of BLOCK_M (var m) or
+    BLOCK_N (var n); the kernel reads them as aux{k}_min / aux{k}_max with the input's other dims."""
+    input: int
+    dim: int
+    var: str
+
+
+EXACT = {"add": "{0} + {1}", "sub": "{0} - {1}", "neg": "-{0}", "mul": "{0} * {1}",
+         "idiv": "fl_floordiv({0}, {1})", "floordiv": "fl_floordiv({0}, {1})", "imod": "fl_mod({0}, {1})",
+         "mod": "fl_mod({0}, {1})", "minimum": "tl.minimum({0}, {1})", "maximum": "tl.maximum({0}, {1})",
+         "abs": "tl.abs({0})"}
+
+
+class IntervalWriter:
+    """Emits scalar Triton code for the interval of an expression over one (M, N) block."""
+
+    def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh):
+        self.r, self.stats, self.lines, self.fresh = region, stats, lines, fresh
+        self.memo: dict[Expr, tuple[str, str] | None] = {}
+
+    def live(self, dead: Expr) -> str:
+        """Name of a scalar that is false only when ``dead`` holds on the whole block."""
+        _, may_false = self.truth(dead)
+        return may_false
+
+    # -- booleans: (may be true, may be false) --------------------------------------------------
+    def truth(self, e: Expr) -> tuple[str, str]:
+        key = ("truth", e)
+        if key not in self.memo:
+            self.memo[key] = self._truth(e)
+        return self.memo[key]
+
+    def _truth(self, e: Expr) -> tuple[str, str]:
+        if e.op == "const":
+            return ("True", "False") if e.args[0] else ("False", "True")
+        if e.op == "not":
+            t, f = self.truth(e.args[0])
+            return f, t
+        if e.op in ("and", "or"):
+            (ta, fa), (tb, fb) = self.truth(e.args[0]), self.truth(e.args[1])
+            if e.op == "and":
+                return self._let(f"{ta} & {tb}"), self._let(f"{fa} | {fb}")
+            return self._let(f"{ta} | {tb}"), self._let(f"{fa} & {fb}")
+        if e.op in ("lt", "le", "gt", "ge", "eq", "ne"):
+            a, b = self.interval(e.args[0]), self.interval(e.args[1])
+            if a is None or b is None:
+                return "True", "True"
+            (alo, ahi), (blo, bhi) = a, b
+            if e.op in ("gt", "ge"):       # a > b  <=>  b < a
+                (alo, ahi), (blo, bhi) = (blo, bhi), (alo, ahi)
+            strict = e.op in ("lt", "gt")
+            if e.op in ("lt", "le", "gt", "ge"):
+                cmp, ncmp = ("<", ">=") if strict else ("<=", ">")
+                return self._let(f"{alo} {cmp} {bhi}"), self._let(f"{ahi} {ncmp} {blo}")
+            overlap = self._let(f"({alo} <= {bhi}) & ({blo} <= {ahi})")
+            single = self._let(f"({alo} == {ahi}) & ({blo} == {bhi}) & ({alo} == {blo})")
+            may_t, may_f = overlap, self._let(f"{single} == 0")
+            return (may_t, may_f) if e.op == "eq" else (may_f, may_t)
+        if e.kind == "b" and e.op in ("load", "to_b"):
+            iv = self.interval(e.args[0] if e.op == "to_b" else e)
+            if iv is not None:
+                return self._let(f"{iv[1]} != 0"), self._let(f"{iv[0]} == 0")
+        return "True", "True"
+
+    # -- numbers: (lo, hi) or None for unknown -------------------------------------------------
+    def interval(self, e: Expr) -> tuple[str, str] | None:
+        if e not in self.memo:
+            self.memo[e] = self._interval(e)
+        return self.memo[e]
+
+    def _interval(self, e: Expr):
+        op, a = e.op, e.args
+        if op == "var":
+            name = a[0]
+            return (f"{name}_lo", f"{name}_hi") if name in ("m", "n") else (name, name)
+        if op == "const":
+            if e.kind == "b" or (isinstance(a[0], float) and not math.isfinite(a[0])):
+                return None
+            return (repr(a[0]), repr(a[0]))
+        if op == "load":
+            return self._load(e)
+        if op in ("to_i", "to_f"):
+            return self.interval(a[0]) if a[0].kind != "b" else None
+        args = [self.interval(x) for x in a if x.kind != "b"]
+        if any(x is None for x in args):
+            return None
+        if op in EXACT and all(lo == hi for lo, hi in args) and len(args) == len(a):
+            v = self._let(EXACT[op].format(*(lo for lo, _ in args)))    # batch-only: one value
+            return v, v
+        if op == "add":
+            (alo, ahi), (blo, bhi) = args
+            return self._let(f"{alo} + {blo}"), self._let(f"{ahi} + {bhi}")
+        if op == "sub":
+            (alo, ahi), (blo, bhi) = args
+            return self._let(f"{alo} - {bhi}"), self._let(f"{ahi} - {blo}")
+        if op == "neg":
+            lo, hi = args[0]
+            return self._let(f"-{hi}"), self._let(f"-{lo}")
+        if op == "mul":
+            (alo, ahi), (blo, bhi) = args
+            p = [self._let(f"{x} * {y}") for x in (alo, ahi) for y in (blo, bhi)]
+            return (self._let(f"tl.minimum(tl.minimum({p[0]}, {p[1]}), tl.minimum({p[2]}, {p[3]}))"),
+                    self._let(f"tl.maximum(tl.maximum({p[0]}, {p[1]}), tl.maximum({p[2]}, {p[3]}))"))
+        if op in ("idiv", "floordiv") and _pos_const(a[1]) and a[1].kind == "i":
+            (lo, hi), k = args[0], a[1].args[0]
+            return self._let(f"fl_floordiv({lo}, {k})"), self._let(f"fl_floordiv({hi}, {k})")
+        if op in ("imod", "mod") and _pos_const(a[1]) and a[1].kind == "i":
+            return "0", repr(a[1].args[0] - 1)
+        if op in ("minimum", "maximum"):
+            (alo, ahi), (blo, bhi) = args
+            f = f"tl.{op}"
+            return self._let(f"{f}({alo}, {blo})"), self._let(f"{f}({ahi}, {bhi})")
+        if op == "abs":
+            lo, hi = args[0]
+            return (self._let(f"tl.where({lo} > 0, {lo}, tl.where({hi} < 0, -{hi}, 0))"),
+                    self._let(f"tl.maximum(-{lo}, {hi})"))
+        if op == "where":
+            (alo, ahi), (blo, bhi) = args
+            return self._let(f"tl.minimum({alo}, {blo})"), self._let(f"tl.maximum({ahi}, {bhi})")
+        return None
+
+    def _load(self, e: Expr):
+        i, idx = e.args
+        inner = [(d, x) for d, x in enumerate(idx) if free_vars(x) & {"m", "n", "dk", "dv"}]
+        if not inner:      # batch-only index: the exact value
+            ptr = " + ".join([f"in{i}_ptr"] + [f"{self._index(x)} * in{i}_s{d}" for d, x in enumerate(idx)
+                                               if not (x.op == "const" and x.args[0] == 0)])
+            v = self._let(f"tl.load({ptr})")
+            return v, v
+        if len(inner) != 1 or inner[0][1].op != "var" or inner[0][1].args[0] not in ("m", "n"):
+            return None
+        d, v = inner[0]
+        stat = BlockStat(i, d, v.args[0])
+        if stat not in self.stats:
+            self.stats.append(stat)
+        k = self.stats.index(stat)
+        blk = "pid_m" if stat.var == "m" else "blk"
+        offs = [f"{blk if dd == d else self._index(x)} * aux{k}_s{dd}" for dd, x in enumerate(idx)
+                if dd == d or not (x.op == "const" and x.args[0] == 0)]
+        off = " + ".join(offs)
+        return self._let(f"tl.load(aux{k}_min + {off})"), self._let(f"tl.load(aux{k}_max + {off})")
+
+    def _index(self, x: Expr) -> str:
+        iv = self.interval(x)
+        assert iv is not None and iv[0] == iv[1], x
+        return iv[0]
+
+    def _let(self, code: str) -> str:
+        name = self.fresh("iv")
+        self.lines.append(f"{name} = {code}")
+        return name
