@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import Expr, Region, refs
-from ..sparsity import BlockStat, IntervalWriter, dead_predicate, useful
+from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
@@ -67,38 +67,56 @@ class KernelWriter:
     # -- one pass over N ----------------------------------------------------------------------
     def write_pass(self, members: list[int]) -> None:
         r, em, out = self.r, self.em, self.outer
-        loop = Block(parent=out)
         em.loop_reds = set(members)
-        reds = [r.reductions[j] for j in members]
-        for j, red in zip(members, reds):
-            init = NEG_INF if red.kind == "max" else "0.0"
-            cols = "BLOCK_DV" if red.kind == "dot" else "1"
+        for j in members:
+            kind = r.reductions[j].kind
+            init = NEG_INF if kind == "max" else "0.0"
+            cols = "BLOCK_DV" if kind == "dot" else "1"
             out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
+        for lo, hi, full in self.segments(members):
+            loop = Block(parent=out)
+            self.loop_body(members, loop, full)
+            out.lines.append(f"for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
+                             + ("  # full blocks: no masks" if full else ""))
+            out.lines += ["    " + line for line in loop.lines]
+        for j in members:
+            if r.reductions[j].kind == "max":
+                out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
+                em.red_names[j] = f"r{j}_s"
+            else:
+                em.red_names[j] = f"r{j}"
+
+    def loop_body(self, members: list[int], loop: Block, full: bool) -> None:
+        """One N block. ``full``: the block is inside N and every mask is proven to keep all of
+        it, so bodies use the mask-free form (``sparsity.full_body``) and no bounds mask."""
+        r, em = self.r, self.em
+        reds = [(j, r.reductions[j]) for j in members]
+        bodies = {j: full_body(red.body) if full else red.body for j, red in reds}
         loop.lines.append("offs_n = start_n + tl.arange(0, BLOCK_N)")
-        loop.lines.append("mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N")
-        needed = set().union(*(refs(x.body, "dot") for x in reds))
+        loop.lines.append("mask_n = tl.full([BLOCK_N], 1, tl.int1)" if full else
+                          "mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N")
         em.dot_names = {}
-        for i in sorted(needed):
+        for i in sorted(set().union(*(refs(b, "dot") for b in bodies.values()))):
             q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
             k, _ = self.dot_operand(r.dots[i].k, CTX_K, loop)
             loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
             em.dot_names[i] = f"qk{i}"
-        for j, red in zip(members, reds):     # running maxima first: the others rescale by them
+        bound = (lambda x, _: x) if full else (lambda x, ident: f"tl.where(mask_n[None, :], {x}, {ident})")
+        for j, red in reds:      # running maxima first: the others rescale by them
             if red.kind != "max":
                 continue
-            body = em.emit(red.body, CTX_S, loop)
+            body = bound(em.emit(bodies[j], CTX_S, loop), NEG_INF)
             loop.lines += [
-                f"r{j}_new = tl.maximum(r{j}, tl.max(tl.where(mask_n[None, :], {body}, {NEG_INF}), 1, keep_dims=True))",
+                f"r{j}_new = tl.maximum(r{j}, tl.max({body}, 1, keep_dims=True))",
                 f"r{j}_safe = tl.where(r{j}_new == {NEG_INF}, 0.0, r{j}_new)  # exp(-inf - 0) = 0, not NaN",
                 f"alpha{j} = tl.exp(r{j} - r{j}_safe)  # rescale of sums taken under the old max",
             ]
             em.red_names[j] = f"r{j}_safe"
-        for j, red in zip(members, reds):
+        for j, red in reds:
             if red.kind == "max":
                 continue
-            body = em.emit(red.body, CTX_S, loop)
+            contrib = bound(em.emit(bodies[j], CTX_S, loop), "0.0")
             scaled = f"r{j} * alpha{red.online}" if red.online is not None else f"r{j}"
-            contrib = f"tl.where(mask_n[None, :], {body}, 0.0)"
             if red.kind == "sum":
                 loop.lines.append(f"r{j} = {scaled} + tl.sum({contrib}, 1, keep_dims=True)")
             else:
@@ -106,40 +124,46 @@ class KernelWriter:
                 p = em.fresh("p")
                 loop.lines.append(f"{p} = {contrib}.to({TL_DTYPE[vdt]})")
                 loop.lines.append(f"r{j} = {self.tl_dot(p, v, vdt, acc=scaled)}")
-        for j, red in zip(members, reds):
+        for j, red in reds:
             if red.kind == "max":
                 loop.lines.append(f"r{j} = r{j}_new")
-        out.lines.append(f"for start_n in range({self.block_range(members)}, BLOCK_N):")
-        out.lines += ["    " + line for line in loop.lines]
-        for j, red in zip(members, reds):
-            if red.kind == "max":
-                out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
-                em.red_names[j] = f"r{j}_s"
-            else:
-                em.red_names[j] = f"r{j}"
 
-    def block_range(self, members: list[int]) -> str:
-        """Bounds of the N loop: all blocks, or the live ones found by a scalar scan that
-        evaluates the pass's dead-predicate with interval arithmetic per block."""
+    def segments(self, members: list[int]) -> list[tuple[str, str, bool]]:
+        """Block ranges [lo, hi) of the N loop and whether each runs mask-free. Without a useful
+        mask: all full blocks, then the ragged tail. With one: a vectorised scan evaluates the
+        pass's dead and full predicates with interval arithmetic over every block and keeps
+        [first live, last live], split as masked head / full middle / masked tail."""
         dead = dead_predicate(self.r, members)
+        keep = full_predicate([self.r.reductions[j].body for j in members])
         if not (self.sparse and useful(dead)):
-            return "0, N"
-        out = self.outer
+            if keep == TRUE:
+                return [("0", "N // BLOCK_N", True), ("N // BLOCK_N", "tl.cdiv(N, BLOCK_N)", False)]
+            return [("0", "tl.cdiv(N, BLOCK_N)", False)]
         scan: list[str] = []
-        live = IntervalWriter(self.r, self.stats, scan, self.em.fresh).live(dead)
-        first, last = self.em.fresh("first"), self.em.fresh("last")
-        out.lines += [
+        iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh)
+        live = iw.live(dead)
+        may_t, may_f = iw.truth(keep)
+        f = self.em.fresh
+        lo, hi, ff, fe, f0, f1 = (f(x) for x in ("lo", "hi", "ff", "fe", "f", "f"))
+        live_v = "blk_valid" if live == "True" else f"({live}) & blk_valid"
+        full_v = f"({may_f} == 0) & blk_live & (n_hi - n_lo == BLOCK_N - 1)" if may_f != "True" else "blk < 0"
+        self.outer.lines += [
             f"# block sparsity: skip key blocks where {_short(dead)}",
-            f"{first} = pid_m * 0 - 1",
-            f"{last} = pid_m * 0 - 2",
-            "for blk in range(0, tl.cdiv(N, BLOCK_N)):",
-            "    n_lo = blk * BLOCK_N",
-            "    n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",
-            *("    " + line for line in scan),
-            f"    {first} = tl.where(({live}) & ({first} < 0), blk, {first})",
-            f"    {last} = tl.where({live}, blk, {last})",
+            "blk = tl.arange(0, SCAN_BLOCKS)",
+            "blk_valid = blk < tl.cdiv(N, BLOCK_N)",
+            "n_lo = blk * BLOCK_N",
+            "n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",
+            *scan,
+            f"blk_live = {live_v}",
+            f"blk_full = {full_v}",
+            f"{lo} = tl.min(tl.where(blk_live, blk, SCAN_BLOCKS), 0)",
+            f"{hi} = tl.max(tl.where(blk_live, blk, -1), 0) + 1",
+            f"{ff} = tl.min(tl.where(blk_full, blk, SCAN_BLOCKS), 0)",
+            f"{fe} = tl.min(tl.where((blk_full == 0) & (blk > {ff}), blk, SCAN_BLOCKS), 0)",
+            f"{f0} = tl.minimum(tl.maximum({ff}, {lo}), {hi})",
+            f"{f1} = tl.minimum(tl.maximum({fe}, {f0}), {hi})",
         ]
-        return f"tl.maximum({first}, 0) * BLOCK_N, ({last} + 1) * BLOCK_N"
+        return [(lo, f0, False), (f0, f1, True), (f1, hi, False)]
 
     # -- whole kernel -------------------------------------------------------------------------
     def signature(self) -> list[str]:
@@ -155,6 +179,7 @@ class KernelWriter:
             args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
         args += [f"B{d}" for d in range(nb)] + ["M", "N"]
         return args + ["DK: tl.constexpr", "DV: tl.constexpr", "EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr",
+                       "SCAN_BLOCKS: tl.constexpr",
                        "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                        "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
 

@@ -86,6 +86,7 @@ class CompiledRegion:
         args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
         self.kernel[grid](*args, DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
+                          SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
                           BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
         self.launches += 1
         return out

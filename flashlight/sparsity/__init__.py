@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ir import Expr, Region, call, const, free_vars, refs
+from ..ir import Expr, Region, call, const, free_vars, refs, substitute, walk
 
 TRUE, FALSE = const(True), const(False)
 NEG_INF = float("-inf")
@@ -77,6 +77,39 @@ def dead_predicate(region: Region, members: list[int]) -> Expr:
         r = region.reductions[j]
         dead = call("and", dead, neg_inf_when(r.body) if r.kind == "max" else zero_when(r.body))
     return dead
+
+
+def _dead_value(e: Expr) -> bool:
+    return e.op == "const" and e.kind == "f" and e.args[0] in (0.0, NEG_INF)
+
+
+def _live_branch(e: Expr) -> tuple[Expr, Expr] | None:
+    """For a mask ``where`` (one branch -inf or 0): (condition that keeps the other branch, it)."""
+    if e.op != "where":
+        return None
+    c, a, b = e.args
+    if _dead_value(b) and not _dead_value(a):
+        return c, a
+    if _dead_value(a) and not _dead_value(b):
+        return call("not", c), b
+    return None
+
+
+def full_predicate(bodies: list[Expr]) -> Expr:
+    """F(b, m, n): every mask ``where`` in the bodies keeps its live branch. On a block where F is
+    proven, ``full_body`` is exact."""
+    keep = TRUE
+    for body in bodies:
+        for x in walk(body):
+            lb = _live_branch(x)
+            if lb is not None:
+                keep = call("and", keep, lb[0])
+    return keep
+
+
+def full_body(body: Expr) -> Expr:
+    """The body with every mask ``where`` replaced by its live branch."""
+    return substitute(body, lambda x: (_live_branch(x) or (None, None))[1])
 
 
 def useful(dead: Expr) -> bool:
@@ -227,7 +260,9 @@ class IntervalWriter:
         offs = [f"{blk if dd == d else self._index(x)} * aux{k}_s{dd}" for dd, x in enumerate(idx)
                 if dd == d or not (x.op == "const" and x.args[0] == 0)]
         off = " + ".join(offs)
-        return self._let(f"tl.load(aux{k}_min + {off})"), self._let(f"tl.load(aux{k}_max + {off})")
+        mask = ", mask=blk_valid, other=0" if stat.var == "n" else ""    # one entry per key block
+        return (self._let(f"tl.load(aux{k}_min + {off}{mask})"),
+                self._let(f"tl.load(aux{k}_max + {off}{mask})"))
 
     def _index(self, x: Expr) -> str:
         iv = self.interval(x)

@@ -30,8 +30,8 @@ def candidates(M: int, N: int, block_d: int, on_gpu: bool, n_dots: int = 1) -> l
     if not on_gpu:
         return [Config(16, 16, 1, 1)]
     configs = []
-    for bm, bn, w, s in [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-                         (64, 128, 4, 2), (128, 32, 4, 3), (64, 32, 4, 4)]:
+    for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+                         (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4)]:
         if block_d >= 256 and bm * bn > 128 * 64:
             continue     # shared memory: the K/V tiles of a 256-wide head
         if n_dots > 2 and bn > 64:
