@@ -14,6 +14,7 @@ from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 NEG_INF = 'float("-inf")'
+SPLIT_MIN_FULL = 4      # full blocks needed before a mask-free loop pays for its pipeline fill
 
 
 def _ctx(name: str, rows: tuple[str, str], cols: tuple[str, str]) -> Ctx:
@@ -73,12 +74,18 @@ class KernelWriter:
             init = NEG_INF if kind == "max" else "0.0"
             cols = "BLOCK_DV" if kind == "dot" else "1"
             out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
-        for lo, hi, full in self.segments(members):
-            loop = Block(parent=out)
-            self.loop_body(members, loop, full)
-            out.lines.append(f"for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
+        loops = []      # bodies first: their hoisted invariants must precede every guard
+        for guard, segs in self.segments(members):
+            indent = "    " if guard else ""
+            lines = [guard] if guard else []
+            for lo, hi, full in segs:
+                loop = Block(parent=out)
+                self.loop_body(members, loop, full)
+                lines.append(f"{indent}for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
                              + ("  # full blocks: no masks" if full else ""))
-            out.lines += ["    " + line for line in loop.lines]
+                lines += [indent + "    " + line for line in loop.lines]
+            loops += lines
+        out.lines += loops
         for j in members:
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
@@ -128,17 +135,22 @@ class KernelWriter:
             if red.kind == "max":
                 loop.lines.append(f"r{j} = r{j}_new")
 
-    def segments(self, members: list[int]) -> list[tuple[str, str, bool]]:
-        """Block ranges [lo, hi) of the N loop and whether each runs mask-free. Without a useful
-        mask: all full blocks, then the ragged tail. With one: a vectorised scan evaluates the
-        pass's dead and full predicates with interval arithmetic over every block and keeps
-        [first live, last live], split as masked head / full middle / masked tail."""
+    def segments(self, members: list[int]) -> list[tuple[str, list[tuple[str, str, bool]]]]:
+        """The N loops of a pass: (guard, [(lo block, hi block, mask-free?)]) in order; a guard is
+        an ``if``/``else`` line choosing between alternatives at run time.
+
+        Without a useful mask: all full blocks, then the ragged tail (compiled out when N fits the
+        blocks). With one: a vectorised scan evaluates the pass's dead and full predicates with
+        interval arithmetic over every block and keeps [first live, last live]; when the run of
+        full blocks is long that range is split as masked head / mask-free middle / masked tail,
+        otherwise one masked loop is cheaper (each loop pays its own pipeline fill)."""
         dead = dead_predicate(self.r, members)
         keep = full_predicate([self.r.reductions[j].body for j in members])
         if not (self.sparse and useful(dead)):
             if keep == TRUE:
-                return [("0", "N // BLOCK_N", True), ("N // BLOCK_N", "tl.cdiv(N, BLOCK_N)", False)]
-            return [("0", "tl.cdiv(N, BLOCK_N)", False)]
+                return [("", [("0", "N // BLOCK_N", True)]),
+                        ("if not EVEN_N:", [("N // BLOCK_N", "tl.cdiv(N, BLOCK_N)", False)])]
+            return [("", [("0", "tl.cdiv(N, BLOCK_N)", False)])]
         scan: list[str] = []
         iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh)
         live = iw.live(dead)
@@ -163,7 +175,8 @@ class KernelWriter:
             f"{f0} = tl.minimum(tl.maximum({ff}, {lo}), {hi})",
             f"{f1} = tl.minimum(tl.maximum({fe}, {f0}), {hi})",
         ]
-        return [(lo, f0, False), (f0, f1, True), (f1, hi, False)]
+        return [(f"if {f1} - {f0} >= {SPLIT_MIN_FULL}:", [(lo, f0, False), (f0, f1, True), (f1, hi, False)]),
+                ("else:", [(lo, hi, False)])]
 
     # -- whole kernel -------------------------------------------------------------------------
     def signature(self) -> list[str]:

@@ -87,22 +87,23 @@ def fl_fwd_snapshot(
         p7 = t5.to(tl.float32)
         r2 = tl.dot(p7, ld6, r2 * alpha0, input_precision="ieee")
         r0 = r0_new
-    for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
-        ld8 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
-        qk0 = tl.dot(ld1, ld8, input_precision="ieee")
-        t9 = (qk0 * (0.5))
-        r0_new = tl.maximum(r0, tl.max(tl.where(mask_n[None, :], t9, float("-inf")), 1, keep_dims=True))
-        r0_safe = tl.where(r0_new == float("-inf"), 0.0, r0_new)  # exp(-inf - 0) = 0, not NaN
-        alpha0 = tl.exp(r0 - r0_safe)  # rescale of sums taken under the old max
-        t10 = (t9 - r0_safe)
-        t11 = (tl.exp(t10))
-        r1 = r1 * alpha0 + tl.sum(tl.where(mask_n[None, :], t11, 0.0), 1, keep_dims=True)
-        ld12 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-        p13 = tl.where(mask_n[None, :], t11, 0.0).to(tl.float32)
-        r2 = tl.dot(p13, ld12, r2 * alpha0, input_precision="ieee")
-        r0 = r0_new
+    if not EVEN_N:
+        for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
+            ld8 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+            qk0 = tl.dot(ld1, ld8, input_precision="ieee")
+            t9 = (qk0 * (0.5))
+            r0_new = tl.maximum(r0, tl.max(tl.where(mask_n[None, :], t9, float("-inf")), 1, keep_dims=True))
+            r0_safe = tl.where(r0_new == float("-inf"), 0.0, r0_new)  # exp(-inf - 0) = 0, not NaN
+            alpha0 = tl.exp(r0 - r0_safe)  # rescale of sums taken under the old max
+            t10 = (t9 - r0_safe)
+            t11 = (tl.exp(t10))
+            r1 = r1 * alpha0 + tl.sum(tl.where(mask_n[None, :], t11, 0.0), 1, keep_dims=True)
+            ld12 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+            p13 = tl.where(mask_n[None, :], t11, 0.0).to(tl.float32)
+            r2 = tl.dot(p13, ld12, r2 * alpha0, input_precision="ieee")
+            r0 = r0_new
     r0_s = tl.where(r0 == float("-inf"), 0.0, r0)
     t14 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
     tl.store(out_ptr + b0 * out_s0 + offs_m[:, None] * out_s1 + offs_dv[None, :] * out_s2, t14.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
