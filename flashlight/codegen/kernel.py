@@ -14,7 +14,6 @@ from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 NEG_INF = 'float("-inf")'
-SPLIT_MIN_FULL = 4      # full blocks needed before a mask-free loop pays for its pipeline fill
 
 
 def _ctx(name: str, rows: tuple[str, str], cols: tuple[str, str]) -> Ctx:
@@ -141,9 +140,9 @@ class KernelWriter:
 
         Without a useful mask: all full blocks, then the ragged tail (compiled out when N fits the
         blocks). With one: a vectorised scan evaluates the pass's dead and full predicates with
-        interval arithmetic over every block and keeps [first live, last live]; when the run of
-        full blocks is long that range is split as masked head / mask-free middle / masked tail,
-        otherwise one masked loop is cheaper (each loop pays its own pipeline fill)."""
+        interval arithmetic over every block and keeps [first live, last live], split as masked
+        head / mask-free middle / masked tail. (Choosing one masked loop at run time when the
+        full run is short was measured slower overall on the H200: see docs/notes.md.)"""
         dead = dead_predicate(self.r, members)
         keep = full_predicate([self.r.reductions[j].body for j in members])
         if not (self.sparse and useful(dead)):
@@ -175,8 +174,7 @@ class KernelWriter:
             f"{f0} = tl.minimum(tl.maximum({ff}, {lo}), {hi})",
             f"{f1} = tl.minimum(tl.maximum({fe}, {f0}), {hi})",
         ]
-        return [(f"if {f1} - {f0} >= {SPLIT_MIN_FULL}:", [(lo, f0, False), (f0, f1, True), (f1, hi, False)]),
-                ("else:", [(lo, hi, False)])]
+        return [("", [(lo, f0, False), (f0, f1, True), (f1, hi, False)])]
 
     # -- whole kernel -------------------------------------------------------------------------
     def signature(self) -> list[str]:
