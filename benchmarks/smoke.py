@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import flashlight
-from flashlight.examples import VARIANTS
+from flashlight.examples import FLEX_NAMES, VARIANTS
 from flashlight.testing import rel_error
 
 from . import flex_equivalents as fe
@@ -353,7 +353,7 @@ def parse_args(argv=None):
     p.add_argument("--h", type=int, default=16)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument("--variants", default=",".join(FLEX_NAMES), help="comma-separated subset")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     p.add_argument("--no-inductor", action="store_true", help="skip plain torch.compile")

@@ -14,13 +14,15 @@ def features(region: Region) -> list[str]:
     feats = set()
     bodies = [r.body for r in region.reductions]
     nodes = [x for b in bodies for x in walk(b)]
-    if any(x.op == "where" for x in nodes):
+    from .sparsity import live_branch
+    if any(live_branch(x) for x in nodes):
         feats.add("mask")
     if any(x.op == "load" and x.kind != "f" for x in nodes):
         feats.add("data-mask")
     if any(x.op == "load" and x.kind == "f" and {"m", "n"} & free_vars(x) for x in nodes):
         feats.add("bias")
-    if any(x.op in ("sub", "le", "lt", "ge", "gt") and {"m", "n"} <= free_vars(x) for x in nodes):
+    if any(x.kind == "b" and {"m", "n"} <= free_vars(x) and not refs(x, "load") and not refs(x, "dot")
+           for x in nodes):
         feats.add("index-mask")
     bvars = set(region.batch_vars)
     for d in region.dots:     # K/V heads shared by query heads: fewer batch vars, or h // group

@@ -14,6 +14,7 @@ Rule signature (one row per ATen op packet in ``RULES``)::
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -107,8 +108,11 @@ class Builder:
     def _build(self, node: fx.Node) -> Sym:
         if meta(node) is None:
             raise Unsupported(f"{node.name} is not a tensor", node)
-        rule = RULES.get(getattr(node.target, "overloadpacket", None)) if node.op == "call_function" else None
-        s = rule(self, node, *node.args, **node.kwargs) if rule else None
+        if node.target is operator.getitem:
+            s = _split_item(self, node, *node.args)
+        else:
+            rule = RULES.get(getattr(node.target, "overloadpacket", None)) if node.op == "call_function" else None
+            s = rule(self, node, *node.args, **node.kwargs) if rule else None
         if s is None:
             return self.leaf(node)
         self.inner.add(node)
@@ -338,6 +342,23 @@ def _reshape(b, node, x, *_, **__):
     return view(b, node, x, remap)
 
 
+def _split_item(b, node, parent, i):
+    """``split``/``chunk(x, ...)[i]``: a slice of x (DiffAttn's half-heads)."""
+    if not (isinstance(parent, fx.Node) and getattr(parent.target, "overloadpacket", None) in
+            (aten.split, aten.chunk, aten.split_with_sizes)):
+        return None
+    x, size, *rest = parent.args
+    dim = rest[0] if rest else parent.kwargs.get("dim", 0)
+    sx = b.sym(x)
+    dim = _norm_dim(dim, len(sx.shape))
+    n = sx.shape[dim]
+    if parent.target.overloadpacket == aten.chunk:
+        size = -(-n // size)
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size] * (-(-n // size))
+    start = sum(sizes[:i])
+    return Sym(out_shape(node), sx.kind, lambda idx: sx(idx[:dim] + (idx[dim] + start,) + idx[dim + 1:]))
+
+
 def _repeat_interleave(b, node, x, repeats, dim=None, output_size=None):
     if not isinstance(repeats, int) or dim is None:
         return None
@@ -350,6 +371,30 @@ def _repeat(b, node, x, repeats):
     shape = out_shape(node)
     lead = len(shape) - len(in_shape)
     return view(b, node, x, lambda idx: tuple(idx[lead + i] % s for i, s in enumerate(in_shape)))
+
+
+def _index(b, node, x, indices):
+    """Advanced indexing with integer tensors at adjacent dims: a gather, read in the kernel at
+    the computed position (learned relative-position tables indexed by a bucket of q - kv)."""
+    sx = b.sym(x)
+    pos = [i for i, t in enumerate(indices) if t is not None]
+    if not pos or pos != list(range(pos[0], pos[-1] + 1)):
+        return None
+    isyms = [b.sym(indices[i]) for i in pos]
+    if any(s.kind != "i" for s in isyms):
+        return None       # boolean-mask indexing changes the shape with the data
+    shape = out_shape(node)
+    nb = len(shape) - (len(sx.shape) - len(pos))
+    bshape = shape[pos[0]:pos[0] + nb]
+
+    def fn(idx):
+        mid = idx[pos[0]:pos[0] + nb]
+        vals = []
+        for s, p in zip(isyms, pos):
+            v = s(align(mid, bshape, s.shape))
+            vals.append(call("where", call("lt", v, const(0)), call("add", v, const(sx.shape[p])), v))
+        return sx(idx[:pos[0]] + tuple(vals) + idx[pos[0] + nb:])
+    return Sym(shape, sx.kind, fn)
 
 
 # -- index generators -------------------------------------------------------------------------
@@ -536,7 +581,7 @@ RULES: dict = {
     aten.unsqueeze: _unsqueeze, aten.squeeze: _squeeze, aten.expand: _expand,
     aten.expand_as: _expand, aten.view: _reshape, aten.reshape: _reshape, aten._unsafe_view: _reshape,
     aten.slice: _slice, aten.select: _select, aten.repeat_interleave: _repeat_interleave,
-    aten.repeat: _repeat,
+    aten.repeat: _repeat, aten.index: _index,
     # index generators
     aten.arange: _arange,
     aten.ones: _fill(lambda a, k: 1), aten.zeros: _fill(lambda a, k: 0),

@@ -4,8 +4,13 @@ Every module has ``attention(*inputs)`` and ``make_inputs(B, H, M, N, D, dtype, 
 """
 from importlib import import_module
 
-NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi", "softcap",
-         "gqa", "cross_attention", "key_padding"]
+# FlexAttention can express these ...
+FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi", "softcap",
+              "gqa", "cross_attention", "key_padding"]
+# ... and these it cannot (several softmaxes, post-softmax ops, epilogues, no softmax at all).
+BEYOND_NAMES = ["diff_attention", "gated", "hand_softmax", "relu_attention", "sigmoid_attention",
+                "evoformer", "relative_position"]
+NAMES = FLEX_NAMES + BEYOND_NAMES
 
 
 def load(name: str):

@@ -83,7 +83,7 @@ def _dead_value(e: Expr) -> bool:
     return e.op == "const" and e.kind == "f" and e.args[0] in (0.0, NEG_INF)
 
 
-def _live_branch(e: Expr) -> tuple[Expr, Expr] | None:
+def live_branch(e: Expr) -> tuple[Expr, Expr] | None:
     """For a mask ``where`` (one branch -inf or 0): (condition that keeps the other branch, it)."""
     if e.op != "where":
         return None
@@ -101,7 +101,7 @@ def full_predicate(bodies: list[Expr]) -> Expr:
     keep = TRUE
     for body in bodies:
         for x in walk(body):
-            lb = _live_branch(x)
+            lb = live_branch(x)
             if lb is not None:
                 keep = call("and", keep, lb[0])
     return keep
@@ -109,7 +109,7 @@ def full_predicate(bodies: list[Expr]) -> Expr:
 
 def full_body(body: Expr) -> Expr:
     """The body with every mask ``where`` replaced by its live branch."""
-    return substitute(body, lambda x: (_live_branch(x) or (None, None))[1])
+    return substitute(body, lambda x: (live_branch(x) or (None, None))[1])
 
 
 def useful(dead: Expr) -> bool:

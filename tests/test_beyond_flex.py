@@ -1,0 +1,44 @@
+"""Programs FlexAttention cannot express fuse into one kernel each and match float64 eager,
+forward and backward: differential attention, gated output, hand-written softmax, softmax-free
+attention, Evoformer gated attention with pair bias, learned relative-position tables."""
+import pytest
+import torch
+
+from flashlight.examples import BEYOND_NAMES, VARIANTS, diff_attention, evoformer, relative_position
+from flashlight.testing import rel_error, to64
+from helpers import check_fused
+
+
+@pytest.mark.parametrize("name", BEYOND_NAMES)
+def test_fuses_and_matches_fp64(name):
+    mod = VARIANTS[name]
+    check_fused(mod.attention, *mod.make_inputs(B=1, H=2, M=37, D=16))
+
+
+def test_diff_attention_is_one_kernel_with_shared_v():
+    _, report = check_fused(diff_attention.attention, *diff_attention.make_inputs(B=1, H=2, M=40, D=16))
+    r = report.regions[0]
+    assert "2-scores" in r.features
+    loop = r.kernel_source.split("for start_n")[1]
+    v_ptr = loop.split("tl.dot(p")[1].split(",")[1].strip()          # the V tile of the first P @ V
+    assert loop.count(f"{v_ptr} = tl.load") == 1 and loop.count(f", {v_ptr},") == 2
+
+
+def _grads(fn, inputs, fp64: bool):
+    """Gradients of sum(out * w) for a fixed random w, w.r.t. every floating input."""
+    cast = to64 if fp64 else (lambda x: x)
+    leaves = [cast(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out = fn(*leaves)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    return torch.autograd.grad((out * w).sum(), [x for x in leaves if x.requires_grad])
+
+
+@pytest.mark.parametrize("mod", [diff_attention, evoformer, relative_position], ids=lambda m: m.__name__.rsplit(".")[-1])
+def test_gradients_reach_lambda_biases_and_tables(mod):
+    inputs = mod.make_inputs(B=1, H=2, M=21, D=16)
+    fast = torch.compile(mod.attention, backend="flashlight")
+    got = _grads(fast, inputs, fp64=False)
+    ref = _grads(mod.attention, inputs, fp64=True)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert rel_error(a, b) < 1e-3
