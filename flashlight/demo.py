@@ -50,7 +50,6 @@ def main(argv=None) -> None:
 
 
 def _time(fn, inputs, gpu: bool) -> float:
-    import torch
     if gpu:
         from triton.testing import do_bench
         return do_bench(lambda: fn(*inputs), return_mode="median")

@@ -9,7 +9,7 @@ import torch
 import flashlight
 from flashlight.codegen import generate
 from flashlight.examples import document_mask, key_padding
-from flashlight.ir import Reduction, call, const, dot, load, red, var
+from flashlight.ir import Reduction, call, const, dot, red, var
 from flashlight.ir.evaluate import evaluate
 from flashlight.rewrite import rewrite
 from flashlight.runtime.op import CompiledRegion, compile_region

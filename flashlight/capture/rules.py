@@ -1,0 +1,468 @@
+"""ATen op rules for symbolic evaluation: one row per op in ``RULES`` (see symbolic.py for the
+signature). Views compose index maps, pointwise ops combine broadcast operands, index generators
+become index arithmetic, reductions over the key dim and contractions register themselves."""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..ir import Expr, call, coerce, const, free_vars, refs
+from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, static_shape
+
+aten = torch.ops.aten
+Idx = tuple
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule helpers
+# ---------------------------------------------------------------------------------------------
+def out_shape(node) -> tuple[int, ...]:
+    return static_shape(meta(node))
+
+
+def pointwise(b: Builder, node: fx.Node, fn: Callable[..., Expr], *operands) -> Sym:
+    syms = [b.sym(x) for x in operands]
+    shape, kind = out_shape(node), kind_of(meta(node).dtype)
+
+    def f(idx):
+        return coerce(fn(*(s(align(idx, shape, s.shape)) for s in syms)), kind)
+    return Sym(shape, kind, f)
+
+
+def unary(op: str):
+    return lambda b, node, x, *_, **__: pointwise(b, node, lambda a: call(op, a), x)
+
+
+def binary(op: str):
+    return lambda b, node, x, y, *_, **__: pointwise(b, node, lambda a, c: call(op, a, c), x, y)
+
+
+def view(b: Builder, node: fx.Node, x, remap: Callable[[Idx], Idx]) -> Sym:
+    s = b.sym(x)
+    return Sym(out_shape(node), s.kind, lambda idx: s(remap(idx)))
+
+
+def _add(b, node, x, y, alpha=1):
+    return pointwise(b, node, lambda a, c: call("add", a, c if alpha == 1 else call("mul", c, const(alpha))), x, y)
+
+
+def _sub(b, node, x, y, alpha=1):
+    return pointwise(b, node, lambda a, c: call("sub", a, c if alpha == 1 else call("mul", c, const(alpha))), x, y)
+
+
+def _rsub(b, node, x, y, alpha=1):
+    return _sub(b, node, y, x, alpha)
+
+
+def _div(b, node, x, y, rounding_mode=None):
+    if rounding_mode is None:
+        return pointwise(b, node, lambda a, c: call("div", a, c), x, y)
+    if rounding_mode == "floor":
+        return pointwise(b, node, lambda a, c: call("floordiv", a, c) if kind_of(meta(node).dtype) == "i"
+                         else call("floor", call("div", a, c)), x, y)
+    return None
+
+
+def _where(b, node, c, x, y):
+    return pointwise(b, node, lambda cc, a, d: call("where", coerce(cc, "b"), a, d), c, x, y)
+
+
+def _masked_fill(b, node, x, mask, value):
+    return pointwise(b, node, lambda a, mm, v: call("where", coerce(mm, "b"), v, a), x, mask, value)
+
+
+def _clamp(b, node, x, lo=None, hi=None):
+    def f(a, *bounds):
+        it = iter(bounds)
+        if lo is not None: a = call("maximum", a, next(it))
+        if hi is not None: a = call("minimum", a, next(it))
+        return a
+    return pointwise(b, node, f, x, *(v for v in (lo, hi) if v is not None))
+
+
+def _pow(b, node, x, y):
+    if isinstance(y, (int, float)) and float(y).is_integer() and 1 <= y <= 4:
+        def f(a, _):
+            r = a
+            for _ in range(int(y) - 1):
+                r = call("mul", r, a)
+            return r
+        return pointwise(b, node, f, x, y)
+    if isinstance(x, (int, float)) and x > 0:   # base ** t = exp2(t * log2(base)): ALiBi slopes
+        return pointwise(b, node, lambda _, e: call("exp2", call("mul", coerce(e, "f"), const(math.log2(x)))), x, y)
+    return pointwise(b, node, lambda a, e: call("pow", a, e), x, y)
+
+
+def _cast(b, node, x, *_, **__):
+    kind = kind_of(meta(node).dtype)
+    s = b.sym(x)
+    return Sym(out_shape(node), kind, lambda idx: coerce(s(idx), kind))
+
+
+def _identity(b, node, x, *_, **__):
+    return view(b, node, x, lambda idx: idx)
+
+
+def _dropout(b, node, x, p, train):
+    return _identity(b, node, x) if not train or p == 0 else None
+
+
+# -- views ------------------------------------------------------------------------------------
+def _norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _permute(b, node, x, dims):
+    rank = len(dims)
+    inv = [0] * rank
+    for out_pos, in_pos in enumerate(dims):
+        inv[_norm_dim(in_pos, rank)] = out_pos
+    return view(b, node, x, lambda idx: tuple(idx[inv[i]] for i in range(rank)))
+
+
+def _transpose(b, node, x, d0, d1):
+    rank = len(out_shape(node))
+    d0, d1 = _norm_dim(d0, rank), _norm_dim(d1, rank)
+    perm = list(range(rank))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _permute(b, node, x, perm)
+
+
+def _t(b, node, x):
+    return _transpose(b, node, x, 0, 1) if len(out_shape(node)) == 2 else _identity(b, node, x)
+
+
+def _mT(b, node, x):
+    return _transpose(b, node, x, -2, -1)
+
+
+def _unsqueeze(b, node, x, d):
+    d = _norm_dim(d, len(out_shape(node)))
+    return view(b, node, x, lambda idx: idx[:d] + idx[d + 1:])
+
+
+def _squeeze(b, node, x, dims=None):
+    in_shape = b.sym(x).shape
+    dims = range(len(in_shape)) if dims is None else ([dims] if isinstance(dims, int) else dims)
+    drop = {_norm_dim(d, len(in_shape)) for d in dims if in_shape[_norm_dim(d, len(in_shape))] == 1}
+
+    def remap(idx):
+        it = iter(idx)
+        return tuple(const(0) if i in drop else next(it) for i in range(len(in_shape)))
+    return view(b, node, x, remap)
+
+
+def _expand(b, node, x, *_, **__):
+    s = b.sym(x)
+    shape = out_shape(node)
+    return Sym(shape, s.kind, lambda idx: s(align(idx, shape, s.shape)))
+
+
+def _slice(b, node, x, dim=0, start=None, end=None, step=1):
+    in_shape = b.sym(x).shape
+    dim = _norm_dim(dim, len(in_shape))
+    start = 0 if start is None else (start + in_shape[dim] if start < 0 else start)
+    return view(b, node, x, lambda idx: idx[:dim] + (idx[dim] * step + start,) + idx[dim + 1:])
+
+
+def _select(b, node, x, dim, index):
+    in_shape = b.sym(x).shape
+    dim = _norm_dim(dim, len(in_shape))
+    index = index + in_shape[dim] if index < 0 else index
+    return view(b, node, x, lambda idx: idx[:dim] + (const(index),) + idx[dim:])
+
+
+def _reshape(b, node, x, *_, **__):
+    """General reshape as index arithmetic: group dims whose products match, then for each group
+    linearise the output index and unflatten it into the input dims."""
+    in_shape, shape = b.sym(x).shape, out_shape(node)
+    ins = [i for i, s in enumerate(in_shape) if s != 1]
+    outs = [i for i, s in enumerate(shape) if s != 1]
+    groups, gi, go = [], [], []
+    pi = po = 1
+    while ins or outs:
+        if pi <= po and ins:
+            gi.append(ins.pop(0)); pi *= in_shape[gi[-1]]
+        else:
+            go.append(outs.pop(0)); po *= shape[go[-1]]
+        if pi == po:
+            groups.append((gi, go)); gi, go, pi, po = [], [], 1, 1
+    if gi or go:
+        raise Unsupported(f"reshape {in_shape} -> {shape}", node)
+
+    def remap(idx):
+        res = [const(0)] * len(in_shape)
+        for g_in, g_out in groups:
+            lin, stride = const(0), 1
+            for o in reversed(g_out):
+                lin = idx[o] * stride + lin
+                stride *= shape[o]
+            inner = stride
+            for t, i in enumerate(g_in):
+                inner //= in_shape[i]
+                e = lin // inner
+                res[i] = e if t == 0 else e % in_shape[i]
+        return tuple(res)
+    return view(b, node, x, remap)
+
+
+def _split_item(b, node, parent, i):
+    """``split``/``chunk(x, ...)[i]``: a slice of x (DiffAttn's half-heads)."""
+    if not (isinstance(parent, fx.Node) and getattr(parent.target, "overloadpacket", None) in
+            (aten.split, aten.chunk, aten.split_with_sizes)):
+        return None
+    x, size, *rest = parent.args
+    dim = rest[0] if rest else parent.kwargs.get("dim", 0)
+    sx = b.sym(x)
+    dim = _norm_dim(dim, len(sx.shape))
+    n = sx.shape[dim]
+    if parent.target.overloadpacket == aten.chunk:
+        size = -(-n // size)
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size] * (-(-n // size))
+    start = sum(sizes[:i])
+    return Sym(out_shape(node), sx.kind, lambda idx: sx(idx[:dim] + (idx[dim] + start,) + idx[dim + 1:]))
+
+
+def _repeat_interleave(b, node, x, repeats, dim=None, output_size=None):
+    if not isinstance(repeats, int) or dim is None:
+        return None
+    dim = _norm_dim(dim, len(out_shape(node)))
+    return view(b, node, x, lambda idx: idx[:dim] + (idx[dim] // repeats,) + idx[dim + 1:])
+
+
+def _repeat(b, node, x, repeats):
+    in_shape = b.sym(x).shape
+    shape = out_shape(node)
+    lead = len(shape) - len(in_shape)
+    return view(b, node, x, lambda idx: tuple(idx[lead + i] % s for i, s in enumerate(in_shape)))
+
+
+def _index(b, node, x, indices):
+    """Advanced indexing with integer tensors at adjacent dims: a gather, read in the kernel at
+    the computed position (learned relative-position tables indexed by a bucket of q - kv)."""
+    sx = b.sym(x)
+    pos = [i for i, t in enumerate(indices) if t is not None]
+    if not pos or pos != list(range(pos[0], pos[-1] + 1)):
+        return None
+    isyms = [b.sym(indices[i]) for i in pos]
+    if any(s.kind != "i" for s in isyms):
+        return None       # boolean-mask indexing changes the shape with the data
+    shape = out_shape(node)
+    nb = len(shape) - (len(sx.shape) - len(pos))
+    bshape = shape[pos[0]:pos[0] + nb]
+
+    def fn(idx):
+        mid = idx[pos[0]:pos[0] + nb]
+        vals = []
+        for s, p in zip(isyms, pos):
+            v = s(align(mid, bshape, s.shape))
+            vals.append(call("where", call("lt", v, const(0)), call("add", v, const(sx.shape[p])), v))
+        return sx(idx[:pos[0]] + tuple(vals) + idx[pos[0] + nb:])
+    return Sym(shape, sx.kind, fn)
+
+
+# -- index generators -------------------------------------------------------------------------
+def _arange(b, node, *args, **kwargs):
+    nums = [a for a in args if isinstance(a, (int, float))]
+    start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
+    kind = kind_of(meta(node).dtype)
+    return Sym(out_shape(node), kind, lambda idx: coerce(idx[0] * step + start, kind))
+
+
+def _fill(value_of: Callable):
+    def rule(b, node, *args, **kwargs):
+        value = value_of(args, kwargs)
+        if not isinstance(value, (bool, int, float)):
+            return None
+        kind = kind_of(meta(node).dtype)
+        e = coerce(const(value), kind)
+        return Sym(out_shape(node), kind, lambda idx: e)
+    return rule
+
+
+def _tri(keep: Callable[[Expr, Expr, int], Expr]):
+    def rule(b, node, x, diagonal=0):
+        s = b.sym(x)
+        zero = coerce(const(0), s.kind)
+        return Sym(s.shape, s.kind, lambda idx: call("where", keep(idx[-2], idx[-1], diagonal), s(idx), zero))
+    return rule
+
+
+# -- reductions over the key dim, and the two contractions ------------------------------------
+def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Builder, Expr], Expr]) -> Sym | None:
+    s = b.sym(x)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
+        return None   # only reductions over the last (key) dim fuse
+
+    def fn(idx):
+        head = idx[:-1] if keepdim else idx
+        if any("n" in free_vars(i) for i in head):
+            raise Unsupported("reduction over N read at a varying key position", node)
+        return combine(b, s(head + (b.n,)))
+    return Sym(out_shape(node), "f", fn)
+
+
+def _softmax_parts(b: Builder, body: Expr) -> tuple[Expr, Expr]:
+    mx = b.add_reduction("max", body)
+    e = call("exp", call("sub", body, mx))
+    return e, b.add_reduction("sum", e)
+
+
+def _softmax(b, node, x, dim, *_, **__):
+    s = b.sym(x)
+    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1:
+        return None
+
+    def fn(idx):
+        if idx[-1] != b.n:
+            raise Unsupported("softmax read at a key index other than the tile's", node)
+        e, l = _softmax_parts(b, s(idx))
+        return call("div_safe", e, l)    # a fully masked row gives 0, not NaN
+    return Sym(out_shape(node), "f", fn)
+
+
+def _log_softmax(b, node, x, dim, *_, **__):
+    s = b.sym(x)
+    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1:
+        return None
+
+    def fn(idx):
+        body = s(idx[:-1] + (b.n,))
+        mx = b.add_reduction("max", body)
+        lse = call("add", call("log", b.add_reduction("sum", call("exp", call("sub", body, mx)))), mx)
+        return call("sub", s(idx), lse)
+    return Sym(out_shape(node), "f", fn)
+
+
+def _amax(b, node, x, dims=(), keepdim=False):
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body: bb.add_reduction("max", body))
+
+
+def _sum(b, node, x, dims=None, keepdim=False, *_, **__):
+    if dims is None:
+        return None
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body: bb.add_reduction("sum", body))
+
+
+def _logsumexp(b, node, x, dims, keepdim=False):
+    def combine(bb, body):
+        mx = bb.add_reduction("max", body)
+        return call("add", call("log", bb.add_reduction("sum", call("exp", call("sub", body, mx)))), mx)
+    return _reduce_last(b, node, x, dims, keepdim, combine)
+
+
+def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym) -> Sym | None:
+    """``x @ y`` with matmul broadcasting. At a score tile (.., m, n) it is a dot of the region;
+    at an output tile (.., m, dv) with a score-like left operand it is a reduction over N;
+    anywhere else it is a leaf computed outside the kernel."""
+    if len(sx.shape) < 2 or len(sy.shape) < 2:
+        return None
+    shape = out_shape(node)
+    leaf = b.leaf(node)
+    bshape = shape[:-2]
+
+    def fn(idx):
+        ax = align(idx[:-2], bshape, sx.shape[:-2])
+        ay = align(idx[:-2], bshape, sy.shape[:-2])
+        K = sx.shape[-1]
+        if b.is_tile(idx, b.m, b.n) and shape[-2:] == (b.M, b.N) and K == (b.DK or K):
+            b.DK = K
+            return b.add_dot(sx(ax + (b.m, b.dk)), sy(ay + (b.dk, b.n)))
+        if b.is_tile(idx, b.m, b.dv) and shape[-2:] == (b.M, b.DV) and K == b.N:
+            body = sx(ax + (b.m, b.n))
+            if refs(body, "dot"):
+                return b.add_reduction("dot", body, sy(ay + (b.n, b.dv)))
+        return leaf(idx)
+    return Sym(shape, "f", fn)
+
+
+def _matmul(b, node, x, y):
+    return contraction(b, node, b.sym(x), b.sym(y))
+
+
+def _einsum(b, node, equation, operands):
+    """Two-operand einsum with one contracted letter, normalised to a batched matmul."""
+    if len(operands) != 2 or "..." in equation:
+        return None
+    lhs, out = equation.replace(" ", "").split("->")
+    a, c = lhs.split(",")
+    contracted = [ch for ch in a if ch in c and ch not in out]
+    if len(contracted) != 1 or len(out) < 2 or any(ch not in a + c for ch in out):
+        return None
+    kk, mm, nn = contracted[0], out[-2], out[-1]
+    if mm not in a or nn not in c or mm in c or nn in a:
+        return None
+    batch = out[:-2]
+    sa, sc = b.sym(operands[0]), b.sym(operands[1])
+    sizes = dict(zip(a, sa.shape)) | dict(zip(c, sc.shape))
+
+    def norm(s: Sym, letters: str, order: str) -> Sym:
+        # view the operand as (batch..., order[0], order[1]); batch letters it lacks broadcast
+        full = batch + order
+        if any(ch not in full for ch in letters):
+            raise Unsupported(f"einsum {equation}: a letter is summed out", node)
+        return Sym(tuple(sizes[ch] if ch in letters else 1 for ch in full), s.kind,
+                   lambda idx: s(tuple(idx[full.index(ch)] for ch in letters)))
+
+    return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn))
+
+
+def _bool_only(rule):
+    return lambda b, node, *args, **kw: rule(b, node, *args, **kw) if meta(node).dtype == torch.bool else None
+
+
+RULES.update({
+    # arithmetic
+    aten.add: _add, aten.sub: _sub, aten.rsub: _rsub, aten.mul: binary("mul"), aten.div: _div,
+    aten.true_divide: binary("div"), aten.floor_divide: binary("floordiv"),
+    aten.remainder: binary("mod"), aten.maximum: binary("maximum"), aten.minimum: binary("minimum"),
+    aten.pow: _pow, aten.clamp: _clamp, aten.clamp_min: lambda b, n, x, lo: _clamp(b, n, x, lo),
+    aten.clamp_max: lambda b, n, x, hi: _clamp(b, n, x, None, hi),
+    aten.neg: unary("neg"), aten.abs: unary("abs"), aten.sign: unary("sign"),
+    aten.exp: unary("exp"), aten.exp2: unary("exp2"), aten.log: unary("log"), aten.log2: unary("log2"),
+    aten.log1p: unary("log1p"), aten.expm1: unary("expm1"), aten.sqrt: unary("sqrt"),
+    aten.rsqrt: unary("rsqrt"), aten.reciprocal: unary("reciprocal"), aten.tanh: unary("tanh"),
+    aten.sigmoid: unary("sigmoid"), aten.relu: unary("relu"), aten.erf: unary("erf"),
+    aten.sin: unary("sin"), aten.cos: unary("cos"), aten.floor: unary("floor"),
+    aten.ceil: unary("ceil"), aten.round: unary("round"),
+    aten.square: lambda b, n, x: pointwise(b, n, lambda a: call("mul", a, a), x),
+    # comparisons and logic
+    aten.eq: binary("eq"), aten.ne: binary("ne"), aten.lt: binary("lt"), aten.le: binary("le"),
+    aten.gt: binary("gt"), aten.ge: binary("ge"),
+    aten.logical_and: binary("and"), aten.logical_or: binary("or"), aten.logical_xor: binary("xor"),
+    aten.logical_not: unary("not"), aten.bitwise_not: _bool_only(unary("not")),
+    aten.bitwise_and: _bool_only(binary("and")), aten.bitwise_or: _bool_only(binary("or")),
+    aten.bitwise_xor: _bool_only(binary("xor")), aten.__and__: _bool_only(binary("and")),
+    aten.__or__: _bool_only(binary("or")), aten.__xor__: _bool_only(binary("xor")),
+    aten.where: _where, aten.masked_fill: _masked_fill,
+    # casts and no-ops
+    aten.to: _cast, aten._to_copy: _cast, aten.type_as: _cast, aten.clone: _identity,
+    aten.contiguous: _identity, aten.alias: _identity, aten.detach: _identity,
+    aten.dropout: _dropout,
+    # views
+    aten.permute: _permute, aten.transpose: _transpose, aten.t: _t, aten.mT: _mT,
+    aten.unsqueeze: _unsqueeze, aten.squeeze: _squeeze, aten.expand: _expand,
+    aten.expand_as: _expand, aten.view: _reshape, aten.reshape: _reshape, aten._unsafe_view: _reshape,
+    aten.slice: _slice, aten.select: _select, aten.repeat_interleave: _repeat_interleave,
+    aten.repeat: _repeat, aten.index: _index,
+    # index generators
+    aten.arange: _arange,
+    aten.ones: _fill(lambda a, k: 1), aten.zeros: _fill(lambda a, k: 0),
+    aten.full: _fill(lambda a, k: a[1]), aten.ones_like: _fill(lambda a, k: 1),
+    aten.zeros_like: _fill(lambda a, k: 0), aten.full_like: _fill(lambda a, k: a[1]),
+    aten.scalar_tensor: _fill(lambda a, k: a[0]),
+    aten.tril: _tri(lambda i, j, d: call("le", call("sub", j, i), const(d))),
+    aten.triu: _tri(lambda i, j, d: call("ge", call("sub", j, i), const(d))),
+    # reductions over the key dim
+    aten.softmax: _softmax, aten._softmax: _softmax, aten._safe_softmax: _softmax,
+    aten.log_softmax: _log_softmax, aten._log_softmax: _log_softmax,
+    aten.amax: _amax, aten.sum: _sum, aten.logsumexp: _logsumexp,
+    # contractions
+    aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum,
+})
+RULES[operator.getitem] = _split_item
