@@ -124,3 +124,15 @@ def test_plain_matmuls_are_left_alone():
     x, w1, w2 = torch.randn(8, 16), torch.randn(16, 32), torch.randn(32, 4)
     report = flashlight.explain(mlp, x, w1, w2)
     assert not report.regions and not report.fallbacks
+
+
+def test_hand_written_softmax_on_empty_rows_gives_zero():
+    """Found by the fuzzer: exp(s - max) / sum on an all -inf row is 0/0; like softmax, 0."""
+    def attn(q, k, v, valid):
+        s = (q @ k.mT).masked_fill(~valid[:, None, None, :], float("-inf"))
+        e = torch.exp(s - s.amax(-1, keepdim=True))
+        return (e / e.sum(-1, keepdim=True)) @ v
+    q, k, v = qkv()
+    valid = torch.arange(N)[None, :] < torch.tensor([0, 9])[:, None]
+    out, _ = check_fused(attn, q, k, v, valid)
+    assert torch.all(out[0] == 0)

@@ -28,7 +28,7 @@ def row_constant(e: Expr, region: Region) -> bool:
 # Each row: op -> (which operand is x, how the accumulated value is combined with r).
 FACTOR: dict[str, tuple[int, Callable[[Expr, Expr], Expr]]] = {
     "div_safe": (0, lambda acc, r: call("div_safe", acc, r)),  # sum(x/r * v) = sum(x*v) / r  (0 if r == 0)
-    "div": (0, lambda acc, r: call("div", acc, r)),            # sum(x/r * v) = sum(x*v) / r
+    "div": (0, lambda acc, r: call("div_safe", acc, r)),       # sum(x/r * v) = sum(x*v) / r; 0/0 -> 0 (empty row)
     "mul": (0, lambda acc, r: call("mul", acc, r)),            # sum(x*r * v) = sum(x*v) * r
 }
 

@@ -127,7 +127,9 @@ class CompiledRegion:
             return evaluate(self.region, xs)
         out, vjp = torch.func.vjp(fn, *(inputs[i] for i in pos))
         grads = dict(zip(pos, vjp(grad.to(out.dtype))))
-        return [grads[i].to(x.dtype) if i in grads else torch.zeros_like(x) for i, x in enumerate(inputs)]
+        # each gradient takes its input's layout, as the fake implementation promises
+        return [torch.empty_like(x).copy_(grads[i]) if i in grads else torch.zeros_like(x)
+                for i, x in enumerate(inputs)]
 
 
 def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> float | None:
@@ -201,7 +203,7 @@ def region_backward(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) ->
 
 @region_backward.register_fake
 def _region_backward_fake(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.empty_like(x) for x in inputs]
+    return [torch.empty_like(x) for x in inputs]     # each gradient in its input's layout
 
 
 def _setup_context(ctx, inputs, output):
