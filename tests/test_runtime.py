@@ -94,3 +94,15 @@ def test_gradients_of_bshd_views_keep_their_layout():
     ref = torch.autograd.grad(causal.attention(q, k, v).sum(), [q, k, v])
     for a, b in zip(grads, ref):
         assert rel_error(a, b) < 1e-3
+
+
+def test_tuning_cache_round_trip_and_corruption(tmp_path):
+    from flashlight.tune import Config, TuningCache
+    cache = TuningCache(tmp_path, "fl_fwd_x")
+    key = TuningCache.key((4096, 4096, 64), "NVIDIA H200")
+    cache.store(key, Config(128, 64, 8, 3))
+    assert TuningCache(tmp_path, "fl_fwd_x").load() == {key: Config(128, 64, 8, 3)}
+    cache.path.write_text("{not json")
+    assert TuningCache(tmp_path, "fl_fwd_x").load() == {}
+    cache.store(key, Config(64, 64, 4, 3))        # a corrupt file is replaced
+    assert TuningCache(tmp_path, "fl_fwd_x").load()[key] == Config(64, 64, 4, 3)

@@ -19,7 +19,7 @@ import triton
 from ..codegen import generate
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate
-from ..tune import Config, bucket, candidates, head_block
+from ..tune import Config, TuningCache, bucket, candidates, head_block
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -97,9 +97,13 @@ class CompiledRegion:
         configs = candidates(r.M, r.N, max(head_block(r.DK), head_block(r.DV)), on_gpu, len(r.dots))
         if len(configs) == 1:
             return configs[0]
-        key = bucket(r.M, r.N, math.prod(r.batch))
+        key = TuningCache.key(bucket(r.M, r.N, math.prod(r.batch)), torch.cuda.get_device_name(inputs[0].device))
         if key not in self.tuned:
-            self.tuned[key] = self.autotune(inputs, configs)
+            disk = TuningCache(self.path.parent, self.name)
+            self.tuned.update(disk.load())
+            if key not in self.tuned:
+                self.tuned[key] = self.autotune(inputs, configs)
+                disk.store(key, self.tuned[key])
         return self.tuned[key]
 
     def autotune(self, inputs, configs: list[Config]) -> Config:

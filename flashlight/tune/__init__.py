@@ -1,12 +1,19 @@
 """Tune (DESIGN.md §6): launch configurations for the generated kernels.
 
 A typed config space pruned by head dim; on CUDA the candidates are timed once per shape bucket
-and the winner is kept in memory. The interpreter (CPU) gets small blocks: it is slow per element.
+and the winner is kept in memory and on disk (``TuningCache``: keyed by kernel source hash, shape
+bucket, GPU name and torch/triton versions), so a second process does not retune. The
+interpreter (CPU) gets small blocks: it is slow per element.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
+import torch
 import triton
 
 
@@ -43,3 +50,29 @@ def candidates(M: int, N: int, block_d: int, on_gpu: bool, n_dots: int = 1) -> l
 def bucket(*sizes: int) -> tuple[int, ...]:
     """Shapes within a power of two share a tuning result."""
     return tuple(triton.next_power_of_2(max(1, s)) for s in sizes)
+
+
+class TuningCache:
+    """Winning configs on disk, one JSON file per kernel; an unreadable file counts as empty."""
+
+    def __init__(self, directory: Path, kernel: str):
+        self.path = directory / f"{kernel}.tune.json"
+
+    @staticmethod
+    def key(bucket_: tuple[int, ...], device: str) -> str:
+        return f"{device}|torch {torch.__version__}|triton {triton.__version__}|{bucket_}"
+
+    def load(self) -> dict[str, Config]:
+        try:
+            raw = json.loads(self.path.read_text())
+            return {k: Config(**v) for k, v in raw.items()}
+        except (OSError, ValueError, TypeError):
+            return {}
+
+    def store(self, key: str, cfg: Config) -> None:
+        entries = self.load()
+        entries[key] = cfg
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({k: asdict(v) for k, v in entries.items()}, f)
+        os.replace(tmp, self.path)
