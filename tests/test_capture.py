@@ -136,3 +136,14 @@ def test_hand_written_softmax_on_empty_rows_gives_zero():
     valid = torch.arange(N)[None, :] < torch.tensor([0, 9])[:, None]
     out, _ = check_fused(attn, q, k, v, valid)
     assert torch.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (1, 7), (5, 1)])
+def test_single_query_or_key_with_gqa(m, n):
+    """Found by the fuzzer: a size-1 key dim folded to index 0 left K a [DK, 1] tile."""
+    q, k, v = torch.randn(2, 4, m, 16), torch.randn(2, 1, n, 16), torch.randn(2, 1, n, 16)
+
+    def attn(q, k, v):
+        k, v = k[:, :, None].expand(2, 1, 4, n, 16).reshape(2, 4, n, 16), v.repeat_interleave(4, dim=1)
+        return torch.softmax(q @ k.mT / 4, -1) @ v
+    check_fused(attn, q, k, v)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import Expr, Region, refs
+from ..ir import Expr, Region, free_vars, refs
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
 
@@ -29,6 +29,18 @@ CTX_K = _ctx("k", ("dk", "offs_dk"), ("n", "offs_n"))       # K is loaded transp
 CTX_S = _ctx("s", ("m", "offs_m"), ("n", "offs_n"))
 CTX_V = _ctx("v", ("n", "offs_n"), ("dv", "offs_dv"))
 CTX_O = _ctx("o", ("m", "offs_m"), ("dv", "offs_dv"))
+TILE = {"q": ("m", "dk", "[BLOCK_M, BLOCK_DK]"), "k": ("dk", "n", "[BLOCK_DK, BLOCK_N]"),
+        "s": ("m", "n", "[BLOCK_M, BLOCK_N]"), "v": ("n", "dv", "[BLOCK_N, BLOCK_DV]"),
+        "o": ("m", "dv", "[BLOCK_M, BLOCK_DV]")}
+
+
+def full_tile(val: str, e: Expr, ctx: Ctx) -> str:
+    """``val`` broadcast to its context's whole tile when ``e`` is constant along a tile axis
+    (a size-1 dim folded to index 0, a row-only value): tl.dot and stores need full tiles."""
+    rows, cols, shape = TILE[ctx.name]
+    if e.op == "dot" or refs(e, "dot") or {rows, cols} <= free_vars(e):
+        return val
+    return f"tl.broadcast_to({val}, {shape})"
 
 
 def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
@@ -55,9 +67,11 @@ class KernelWriter:
         dt = operand_dtype(e, self.r, self.interpret)
         if e.op == "load":   # a bare load keeps its storage type: no round trip through fp32
             raw = self.em.load(e, ctx, block)
-            return (raw if self.r.inputs[e.args[0]].dtype == dt else f"{raw}.to({TL_DTYPE[dt]})"), dt
-        val = self.em.emit(e, ctx, block)
-        return (val if dt == torch.float32 else f"{val}.to({TL_DTYPE[dt]})"), dt
+            val = raw if self.r.inputs[e.args[0]].dtype == dt else f"{raw}.to({TL_DTYPE[dt]})"
+        else:
+            val = self.em.emit(e, ctx, block)
+            val = val if dt == torch.float32 else f"{val}.to({TL_DTYPE[dt]})"
+        return full_tile(val, e, ctx), dt
 
     def tl_dot(self, a: str, b: str, dt: torch.dtype, acc: str | None = None) -> str:
         prec = f", input_precision={self.precision}" if dt == torch.float32 else ""
@@ -128,7 +142,7 @@ class KernelWriter:
             else:
                 v, vdt = self.dot_operand(red.v, CTX_V, loop)
                 p = em.fresh("p")
-                loop.lines.append(f"{p} = {contrib}.to({TL_DTYPE[vdt]})")
+                loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S)}.to({TL_DTYPE[vdt]})")
                 loop.lines.append(f"r{j} = {self.tl_dot(p, v, vdt, acc=scaled)}")
         for j, red in reds:
             if red.kind == "max":
@@ -220,7 +234,7 @@ class KernelWriter:
             self.write_pass(members)
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
-        val = self.em.emit(r.out, CTX_O, out)
+        val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O)
         offs = [f"b{d} * out_s{d}" for d in range(nb)]
         offs += [f"offs_m[:, None] * out_s{nb}", f"offs_dv[None, :] * out_s{nb + 1}"]
         out.lines.append(f"tl.store(out_ptr + {' + '.join(offs)}, {val}.to(out_ptr.dtype.element_ty), "
