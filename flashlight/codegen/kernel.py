@@ -34,11 +34,13 @@ TILE = {"q": ("m", "dk", "[BLOCK_M, BLOCK_DK]"), "k": ("dk", "n", "[BLOCK_DK, BL
         "o": ("m", "dv", "[BLOCK_M, BLOCK_DV]")}
 
 
-def full_tile(val: str, e: Expr, ctx: Ctx) -> str:
+def full_tile(val: str, e: Expr, ctx: Ctx, region: Region) -> str:
     """``val`` broadcast to its context's whole tile when ``e`` is constant along a tile axis
-    (a size-1 dim folded to index 0, a row-only value): tl.dot and stores need full tiles."""
+    (a size-1 dim folded to index 0, a row-only value): tl.dot and stores need full tiles.
+    Score tiles and P @ V accumulators already are full."""
     rows, cols, shape = TILE[ctx.name]
-    if e.op == "dot" or refs(e, "dot") or {rows, cols} <= free_vars(e):
+    full_reds = {j for j, r in enumerate(region.reductions) if r.kind == "dot"} if ctx.name == "o" else set()
+    if refs(e, "dot") or refs(e, "red") & full_reds or {rows, cols} <= free_vars(e):
         return val
     return f"tl.broadcast_to({val}, {shape})"
 
@@ -71,7 +73,7 @@ class KernelWriter:
         else:
             val = self.em.emit(e, ctx, block)
             val = val if dt == torch.float32 else f"{val}.to({TL_DTYPE[dt]})"
-        return full_tile(val, e, ctx), dt
+        return full_tile(val, e, ctx, self.r), dt
 
     def tl_dot(self, a: str, b: str, dt: torch.dtype, acc: str | None = None) -> str:
         prec = f", input_precision={self.precision}" if dt == torch.float32 else ""
@@ -142,7 +144,7 @@ class KernelWriter:
             else:
                 v, vdt = self.dot_operand(red.v, CTX_V, loop)
                 p = em.fresh("p")
-                loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S)}.to({TL_DTYPE[vdt]})")
+                loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S, r)}.to({TL_DTYPE[vdt]})")
                 loop.lines.append(f"r{j} = {self.tl_dot(p, v, vdt, acc=scaled)}")
         for j, red in reds:
             if red.kind == "max":
@@ -234,7 +236,7 @@ class KernelWriter:
             self.write_pass(members)
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
-        val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O)
+        val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
         offs = [f"b{d} * out_s{d}" for d in range(nb)]
         offs += [f"offs_m[:, None] * out_s{nb}", f"offs_dv[None, :] * out_s{nb + 1}"]
         out.lines.append(f"tl.store(out_ptr + {' + '.join(offs)}, {val}.to(out_ptr.dtype.element_ty), "
