@@ -92,6 +92,7 @@ def test_softmax_over_query_dim_falls_back_with_reason():
     q, k, v = qkv(m=N)
     report = flashlight.explain(attn, q, k, v)
     assert not report.regions
+    assert "key (last) dim" in report.fallbacks[0].reason
     out = torch.compile(attn, backend="flashlight")(q, k, v)
     assert rel_error(out, reference(attn, q, k, v)) < 1e-6
 

@@ -169,6 +169,6 @@ def _why_not(b: Builder | None) -> str:
         shape = tuple(meta(leaf).shape)
         if shape[-2:] == (b.M, b.N) and leaf.op == "call_function":
             where = source_line(leaf)
-            return (f"the scores pass through {leaf.target}, which has no fusion rule for these "
-                    f"arguments" + (f" ({where})" if where else ""))
+            why = b.declined.get(leaf) or f"the scores pass through {leaf.target}, which has no fusion rule"
+            return why + (f" ({where})" if where else "")
     return "no score contraction q @ k^T reaches this product through supported ops"

@@ -108,7 +108,9 @@ def _identity(b, node, x, *_, **__):
 
 
 def _dropout(b, node, x, p, train):
-    return _identity(b, node, x) if not train or p == 0 else None
+    if not train or p == 0:
+        return _identity(b, node, x)
+    return b.decline(node, "dropout in training mode is not fused yet (issue: dropout with a counter-based RNG)")
 
 
 # -- views ------------------------------------------------------------------------------------
@@ -297,7 +299,7 @@ def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Bu
     s = b.sym(x)
     dims = [dims] if isinstance(dims, int) else list(dims)
     if len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
-        return None   # only reductions over the last (key) dim fuse
+        return b.decline(node, f"{node.target} over dims {dims}: only reductions over the key (last) dim fuse")
 
     def fn(idx):
         head = idx[:-1] if keepdim else idx
@@ -316,7 +318,7 @@ def _softmax_parts(b: Builder, body: Expr) -> tuple[Expr, Expr]:
 def _softmax(b, node, x, dim, *_, **__):
     s = b.sym(x)
     if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1:
-        return None
+        return b.decline(node, f"softmax over dim {dim}: only a softmax over the key (last) dim fuses")
 
     def fn(idx):
         if idx[-1] != b.n:

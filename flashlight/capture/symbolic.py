@@ -93,6 +93,7 @@ class Builder:
         self.syms: dict[fx.Node, Sym] = {}
         self.inner: set[fx.Node] = set()     # nodes evaluated through a rule
         self.leaves: set[fx.Node] = set()
+        self.declined: dict[fx.Node, str] = {}   # why a rule left a node as a leaf
 
     # -- operands ---------------------------------------------------------------------------
     def sym(self, arg) -> Sym:
@@ -125,6 +126,11 @@ class Builder:
                 self.leaves.add(node)
             return load(self.inputs.index(node), idx, kind)
         return Sym(static_shape(t), kind, fn)
+
+    def decline(self, node: fx.Node, why: str) -> None:
+        """A rule's reason for returning None (shown by explain() when fusion fails there)."""
+        self.declined[node] = why
+        return None
 
     # -- tiles the kernel computes -----------------------------------------------------------
     def is_tile(self, idx: Idx, row: Expr, col: Expr) -> bool:
