@@ -106,3 +106,23 @@ def test_tuning_cache_round_trip_and_corruption(tmp_path):
     assert TuningCache(tmp_path, "fl_fwd_x").load() == {}
     cache.store(key, Config(64, 64, 4, 3))        # a corrupt file is replaced
     assert TuningCache(tmp_path, "fl_fwd_x").load()[key] == Config(64, 64, 4, 3)
+
+
+def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
+    """The CUDA branch of config(), driven on CPU: tune once, then a fresh object (a second
+    process) reads the winner from disk without timing anything."""
+    from flashlight.runtime import op
+    from flashlight.tune import Config
+    monkeypatch.setenv("FLASHLIGHT_CACHE_DIR", str(tmp_path))
+    r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=20, D=16)).regions[0]
+    c = op.REGISTRY[r.kernel]
+    fresh = op.CompiledRegion(c.region, c.source, c.name, tmp_path / f"{c.name}.py", c.kernel, c.stats)
+    two = [Config(32, 16, 4, 2), Config(16, 16, 4, 2)]
+    monkeypatch.setattr(op, "candidates", lambda *a, **k: two)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
+    timed = []
+    monkeypatch.setattr(op.CompiledRegion, "autotune", lambda self, inputs, cfgs: timed.append(1) or cfgs[1])
+    inputs = [torch.randn(s.shape) for s in c.region.inputs]
+    assert fresh.config(inputs) == two[1] and timed == [1]
+    again = op.CompiledRegion(c.region, c.source, c.name, tmp_path / f"{c.name}.py", c.kernel, c.stats)
+    assert again.config(inputs) == two[1] and timed == [1]
