@@ -60,13 +60,8 @@ def replace(graph: fx.Graph, match: Match, key: str) -> None:
 
 
 def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphReport]:
+    """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op."""
     report = GraphReport()
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
-        report.fallbacks.append(Fallback("graph", "-", "dynamic shapes are not supported yet "
-                                         "(compile with dynamic=False)", ""))
-        report.graph = gm
-        return gm, report
     aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
     report.fallbacks += fallbacks
@@ -76,7 +71,7 @@ def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphRepor
         except (Unsupported, CodegenError, VerifyError) as e:
             report.fallbacks.append(Fallback(m.root.name, str(m.root.target), str(e), source_line(m.root)))
             continue
-        replace(aten_gm.graph, m, compiled.name)
+        replace(aten_gm.graph, m, compiled.key)
         report.regions.append(compiled)
     if not report.regions:
         report.graph = gm
@@ -88,9 +83,32 @@ def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphRepor
     return aten_gm, report
 
 
-def flashlight_backend(gm: fx.GraphModule, example_inputs, **kwargs):
-    """``torch.compile(fn, backend="flashlight")``: fuse attention regions, Inductor for the rest."""
-    gm, report = fuse(gm, example_inputs)
+def _compile(gm: fx.GraphModule, example_inputs):
+    fused, report = fuse(gm, example_inputs)
     for sink in _LISTENERS:
         sink.append(report)
-    return _compat.compile_fx(gm, example_inputs)
+    return _compat.compile_fx(fused, list(example_inputs))
+
+
+class PerShape:
+    """A Dynamo graph with symbolic sizes (``dynamic=True``, or automatic dynamic shapes after a
+    second sequence length): fused and compiled once per concrete input shape, at first call.
+    The generated kernels do not depend on lengths, so Triton compiles each only once."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm, self.compiled = gm, {}
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
+                    for a in args)
+        if key not in self.compiled:
+            self.compiled[key] = _compile(self.gm, args)
+        return self.compiled[key](*args)
+
+
+def flashlight_backend(gm: fx.GraphModule, example_inputs, **kwargs):
+    """``torch.compile(fn, backend="flashlight")``: fuse attention regions, Inductor for the rest."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
+        return PerShape(gm)
+    return _compile(gm, example_inputs)

@@ -53,6 +53,7 @@ def features(region: Region) -> list[str]:
 @dataclass
 class RegionReport:
     kernel: str
+    key: str
     path: str
     shapes: dict
     features: list[str]
@@ -84,7 +85,7 @@ class Report:
 def region_report(c) -> RegionReport:
     r = c.region
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
-    return RegionReport(c.name, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped)
+    return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped)
 
 
 def explain(fn, *args, **kwargs) -> Report:

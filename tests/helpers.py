@@ -16,12 +16,12 @@ def check_fused(fn, *args, tol=1e-3, regions=1, score_numel=None):
     the graph Inductor receives. Returns (output, report)."""
     report = flashlight.explain(fn, *args)
     assert len(report.regions) == regions, str(report)
-    before = {r.kernel: REGISTRY[r.kernel].launches for r in report.regions}
+    before = {r.key: REGISTRY[r.key].launches for r in report.regions}
     out = torch.compile(fn, backend="flashlight")(*args)
     err = rel_error(out, reference(fn, *args))
     assert err < tol, f"rel error {err:.3e}\n{report}"
     for r in report.regions:
-        assert REGISTRY[r.kernel].launches > before[r.kernel], f"{r.kernel} never launched"
+        assert REGISTRY[r.key].launches > before[r.key], f"{r.kernel} never launched"
     if score_numel is None:
         r = report.regions[0]
         score_numel = math.prod(r.shapes["batch"]) * r.shapes["M"] * r.shapes["N"]

@@ -115,7 +115,7 @@ def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
     from flashlight.tune import Config
     monkeypatch.setenv("FLASHLIGHT_CACHE_DIR", str(tmp_path))
     r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=20, D=16)).regions[0]
-    c = op.REGISTRY[r.kernel]
+    c = op.REGISTRY[r.key]
     fresh = op.CompiledRegion(c.region, c.source, c.name, tmp_path / f"{c.name}.py", c.kernel, c.stats)
     two = [Config(32, 16, 4, 2), Config(16, 16, 4, 2)]
     monkeypatch.setattr(op, "candidates", lambda *a, **k: two)
@@ -126,3 +126,40 @@ def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
     assert fresh.config(inputs) == two[1] and timed == [1]
     again = op.CompiledRegion(c.region, c.source, c.name, tmp_path / f"{c.name}.py", c.kernel, c.stats)
     assert again.config(inputs) == two[1] and timed == [1]
+
+
+def test_dynamic_shapes_fuse_per_length_with_one_kernel():
+    """dynamic=True (or Dynamo's automatic dynamic shapes after a second length): every length
+    still fuses, and all lengths share one generated kernel."""
+    from flashlight.runtime import op
+    fast = torch.compile(causal.attention, backend="flashlight", dynamic=True)
+    names = set()
+    for n in (19, 33, 50):
+        inputs = causal.make_inputs(B=1, H=2, M=n, D=16)
+        before = {k: c.launches for k, c in op.REGISTRY.items()}
+        out = fast(*inputs)
+        assert rel_error(out, causal.attention(*(to64(x) for x in inputs))) < 1e-3
+        launched = [c for k, c in op.REGISTRY.items() if c.launches > before.get(k, 0)]
+        assert len(launched) == 1
+        names.add(launched[0].name)
+    assert len(names) == 1
+
+
+def test_automatic_dynamic_after_second_length_keeps_fusing():
+    from flashlight.runtime import op
+    fast = torch.compile(causal.attention, backend="flashlight")
+    for n in (17, 29, 41):
+        inputs = causal.make_inputs(B=1, H=1, M=n, D=16)
+        total = sum(c.launches for c in op.REGISTRY.values())
+        assert rel_error(fast(*inputs), causal.attention(*(to64(x) for x in inputs))) < 1e-3
+        assert sum(c.launches for c in op.REGISTRY.values()) == total + 1
+
+
+def test_dynamic_shapes_training():
+    fast = torch.compile(alibi.attention, backend="flashlight", dynamic=True)
+    for n in (13, 22):
+        inputs = [x.requires_grad_() for x in alibi.make_inputs(B=1, H=2, M=n, D=16)]
+        grads = torch.autograd.grad(fast(*inputs).square().sum(), inputs)
+        ref_in = [to64(x).detach().requires_grad_() for x in inputs]
+        ref = torch.autograd.grad(alibi.attention(*ref_in).square().sum(), ref_in)
+        assert all(rel_error(a, b) < 1e-3 for a, b in zip(grads, ref))

@@ -243,7 +243,7 @@ class KernelWriter:
                          f"mask=mask_m[:, None] & mask_dv[None, :])")
         body = "\n".join("    " + line for line in out.lines)
         sig = ",\n".join("    " + a for a in self.signature())
-        doc = "\n".join("    # " + line for line in str(r).splitlines())
+        doc = "\n".join("    # " + line for line in r.describe(sizes=False).splitlines())
         return (f"import triton\nimport triton.language as tl\n{HELPERS}\n\n@triton.jit\ndef {self.name}(\n{sig},\n):\n"
                 f"{doc}\n{body}\n")
 

@@ -83,9 +83,17 @@ class Region:
         return [[j for j, lv in enumerate(level) if lv == p] for p in range(max(level, default=-1) + 1)]
 
     def __str__(self) -> str:
-        lines = [f"region batch={self.batch} M={self.M} N={self.N} DK={self.DK} DV={self.DV}"]
+        return self.describe(sizes=True)
+
+    def describe(self, sizes: bool) -> str:
+        """The IR as text; without ``sizes`` it is the same for every sequence length, so the
+        kernel source (and Triton's compiled kernel) is shared across lengths."""
+        head = f"batch={self.batch} M={self.M} N={self.N} DK={self.DK} DV={self.DV}" if sizes else \
+            f"batch rank {len(self.batch)}, DK={self.DK} DV={self.DV}"
+        lines = [f"region {head}"]
         for i, x in enumerate(self.inputs):
-            lines.append(f"  in{i}: {x.name} {tuple(x.shape)} {x.dtype}")
+            shape = tuple(x.shape) if sizes else f"rank {len(x.shape)}"
+            lines.append(f"  in{i}: {x.name} {shape} {x.dtype}")
         for i, d in enumerate(self.dots):
             lines.append(f"  dot{i}: q={fmt(d.q)}  k={fmt(d.k)}")
         for j, r in enumerate(self.reductions):

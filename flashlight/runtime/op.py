@@ -38,6 +38,7 @@ class CompiledRegion:
     path: Path
     kernel: object
     stats: list = field(default_factory=list)       # sparsity.BlockStat, recomputed every call
+    key: str = ""                                   # registry key: kernel name + sizes
     tuned: dict = field(default_factory=dict)
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
@@ -183,10 +184,12 @@ def compile_region(region: Region) -> CompiledRegion:
                              interpret=interpreting())
     name = f"fl_fwd_{source_hash(source)}"
     source = source.replace(f"def {placeholder}(", f"def {name}(")
-    if name not in REGISTRY:
+    # one kernel per source (shared by all lengths); one registry entry per region and sizes
+    key = f"{name}_{source_hash(str(region))}"
+    if key not in REGISTRY:
         module, path = load_module(name, source)
-        REGISTRY[name] = CompiledRegion(region, source, name, path, getattr(module, name), stats)
-    return REGISTRY[name]
+        REGISTRY[key] = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key)
+    return REGISTRY[key]
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())

@@ -46,10 +46,10 @@ def fl_fwd_snapshot(
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    # region batch=(2,) M=5 N=7 DK=4 DV=4
-    #   in0: q (2, 5, 4) torch.float32
-    #   in1: k (2, 7, 4) torch.float32
-    #   in2: v (2, 7, 4) torch.float32
+    # region batch rank 1, DK=4 DV=4
+    #   in0: q rank 3 torch.float32
+    #   in1: k rank 3 torch.float32
+    #   in2: v rank 3 torch.float32
     #   dot0: q=in0[b0, m, dk]  k=in1[b0, n, dk]
     #   red0 = max_n mul(dot0, 0.5)
     #   red1 = sum_n exp(sub(mul(dot0, 0.5), red0)) online(red0)
