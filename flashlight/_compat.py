@@ -33,6 +33,15 @@ def is_symbolic(x) -> bool:
     return False
 
 
+def concrete(x):
+    """A SymInt/SymFloat example input as the value Dynamo traced with (its hint)."""
+    import torch
+    if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+        hint = getattr(x.node, "hint", None)     # SymNode.hint: private, stable across 2.11-2.13
+        return x if hint is None else hint
+    return x
+
+
 def dynamo_reset():
     import torch._dynamo
     torch._dynamo.reset()

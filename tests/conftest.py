@@ -3,6 +3,7 @@ import os
 # The generated Triton kernels run on CPU tensors through Triton's interpreter. This must be set
 # before any kernel module is imported (Triton picks the interpreter at @jit time).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("FLASHLIGHT_STRICT", "1")      # internal errors fail tests, not fall back
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

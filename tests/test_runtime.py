@@ -163,3 +163,30 @@ def test_dynamic_shapes_training():
         ref_in = [to64(x).detach().requires_grad_() for x in inputs]
         ref = torch.autograd.grad(alibi.attention(*ref_in).square().sum(), ref_in)
         assert all(rel_error(a, b) < 1e-3 for a, b in zip(grads, ref))
+
+
+def test_dynamic_graph_without_attention_compiles_once(monkeypatch):
+    from flashlight import _compat
+    calls = []
+    real = _compat.compile_fx
+    monkeypatch.setattr(_compat, "compile_fx", lambda gm, ex: calls.append(1) or real(gm, ex))
+
+    def mlp(x, w):
+        return torch.relu(x @ w).sum(-1)
+    fast = torch.compile(mlp, backend="flashlight", dynamic=True)
+    w = torch.randn(16, 8)
+    for n in (5, 9, 13):
+        x = torch.randn(n, 16)
+        assert torch.allclose(fast(x, w), mlp(x, w), atol=1e-5)
+    assert len(calls) == 1
+
+
+def test_internal_error_falls_back_with_reason(monkeypatch):
+    from flashlight import backend
+    monkeypatch.delenv("FLASHLIGHT_STRICT")
+    monkeypatch.setattr(backend, "find_regions", lambda graph: 1 / 0)
+    inputs = causal.make_inputs(B=1, H=1, M=9, D=16)
+    report = flashlight.explain(causal.attention, *inputs)
+    assert not report.regions and "internal error" in report.fallbacks[0].reason
+    out = torch.compile(causal.attention, backend="flashlight")(*inputs)
+    assert rel_error(out, causal.attention(*(to64(x) for x in inputs))) < 1e-5
