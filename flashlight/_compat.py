@@ -42,11 +42,6 @@ def concrete(x):
     return x
 
 
-def dynamo_reset():
-    import torch._dynamo
-    torch._dynamo.reset()
-
-
 def register_backend(name: str, fn) -> None:
     """Make ``torch.compile(backend=name)`` find ``fn`` (the entry point does this when installed)."""
     from torch._dynamo import list_backends, register_backend as _register
