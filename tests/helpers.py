@@ -7,7 +7,7 @@ import torch
 
 import flashlight
 from flashlight.runtime.op import REGISTRY
-from flashlight.testing import reference, rel_error, score_sized_nodes
+from flashlight.testing import reference, rel_error, score_sized_nodes, to64
 
 
 def check_fused(fn, *args, tol=1e-3, regions=1, score_numel=None):
@@ -28,3 +28,22 @@ def check_fused(fn, *args, tol=1e-3, regions=1, score_numel=None):
     for g in report.graphs:
         assert not score_sized_nodes(g, score_numel), score_sized_nodes(g, score_numel)
     return out, report
+
+
+def grads(fn, inputs, fp64: bool):
+    """Gradients of sum(out * w), for a fixed random w, w.r.t. every floating input of ``fn``
+    (computed in float64 when ``fp64``: the oracle)."""
+    cast = to64 if fp64 else (lambda x: x)
+    leaves = [cast(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out = fn(*leaves)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    return torch.autograd.grad((out * w).sum(), [x for x in leaves if x.requires_grad])
+
+
+def check_grads(fn, inputs, tol=1e-3):
+    """``fn`` compiled with flashlight has the gradients of float64 eager, input by input."""
+    got = grads(torch.compile(fn, backend="flashlight"), inputs, fp64=False)
+    ref = grads(fn, inputs, fp64=True)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert rel_error(a, b) < tol

@@ -2,11 +2,9 @@
 forward and backward: differential attention, gated output, hand-written softmax, softmax-free
 attention, Evoformer gated attention with pair bias, learned relative-position tables."""
 import pytest
-import torch
 
 from flashlight.examples import BEYOND_NAMES, VARIANTS, diff_attention, evoformer, relative_position
-from flashlight.testing import rel_error, to64
-from helpers import check_fused
+from helpers import check_fused, check_grads
 
 
 @pytest.mark.parametrize("name", BEYOND_NAMES)
@@ -24,21 +22,6 @@ def test_diff_attention_is_one_kernel_with_shared_v():
     assert loop.count(f"{v_ptr} = tl.load") == 1 and loop.count(f", {v_ptr},") == 2
 
 
-def _grads(fn, inputs, fp64: bool):
-    """Gradients of sum(out * w) for a fixed random w, w.r.t. every floating input."""
-    cast = to64 if fp64 else (lambda x: x)
-    leaves = [cast(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
-    out = fn(*leaves)
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-    return torch.autograd.grad((out * w).sum(), [x for x in leaves if x.requires_grad])
-
-
 @pytest.mark.parametrize("mod", [diff_attention, evoformer, relative_position], ids=lambda m: m.__name__.rsplit(".")[-1])
 def test_gradients_reach_lambda_biases_and_tables(mod):
-    inputs = mod.make_inputs(B=1, H=2, M=21, D=16)
-    fast = torch.compile(mod.attention, backend="flashlight")
-    got = _grads(fast, inputs, fp64=False)
-    ref = _grads(mod.attention, inputs, fp64=True)
-    assert len(got) == len(ref)
-    for a, b in zip(got, ref):
-        assert rel_error(a, b) < 1e-3
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16))

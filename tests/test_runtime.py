@@ -7,21 +7,13 @@ import flashlight
 from flashlight.examples import VARIANTS, alibi, causal, document_mask
 from flashlight.runtime.cache import load_module
 from flashlight.testing import rel_error, to64
+from helpers import check_grads
 
 
 @pytest.mark.parametrize("name", ["causal", "alibi", "document_mask", "gqa"])
 def test_gradients_match_fp64_eager(name):
     mod = VARIANTS[name]
-    inputs = mod.make_inputs(B=1, H=2, M=29, D=16)
-    leaves = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
-    out = torch.compile(mod.attention, backend="flashlight")(*leaves)
-    g = torch.randn_like(out)
-    grads = torch.autograd.grad(out, [x for x in leaves if x.requires_grad], g)
-    ref_in = [to64(x).detach().requires_grad_(x.is_floating_point()) for x in inputs]
-    ref = mod.attention(*ref_in)
-    ref_grads = torch.autograd.grad(ref, [x for x in ref_in if x.requires_grad], g.double())
-    for a, b in zip(grads, ref_grads):
-        assert rel_error(a, b) < 1e-3
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=29, D=16))
 
 
 def test_gradient_into_learnable_bias_read_twice():

@@ -81,8 +81,12 @@ class CompiledRegion:
         for x in inputs:
             args += [x, *x.stride()]
         args += [out, *out.stride()]
-        for st in self.stats:
-            lo, hi = block_minmax(inputs[st.input], st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
+        stats: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        for st in self.stats:     # ids read along m and along n: one reduction when blocks agree
+            key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
+            if key not in stats:
+                stats[key] = block_minmax(inputs[st.input], st.dim, key[2])
+            lo, hi = stats[key]
             args += [lo, hi, *lo.stride()]
         args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
