@@ -170,19 +170,20 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
 
 
 def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Min and max of ``x`` over blocks of ``block`` along ``dim`` (O(numel), every call)."""
+    """Min and max of ``x`` over blocks of ``block`` along ``dim`` (O(numel), every call).
+
+    Few launches on purpose — this runs on the host path of every call: the ragged last block is
+    padded by repeating the last element (neutral for both min and max), one ``aminmax`` reduces,
+    and the results are strided views (the kernel takes their strides), not copies."""
     if x.dtype == torch.bool:
-        x = x.to(torch.int8)
+        x = x.view(torch.uint8)
     n = x.shape[dim]
     nb = triton.cdiv(n, block)
     xt = x.movedim(dim, -1)
-    info = torch.finfo(x.dtype) if x.is_floating_point() else torch.iinfo(x.dtype)
-    pad = nb * block - n
-
-    def reduce(fill, fn):
-        y = torch.nn.functional.pad(xt, (0, pad), value=fill) if pad else xt
-        return fn(y.unflatten(-1, (nb, block)), -1).movedim(-1, dim).contiguous()
-    return reduce(info.max, torch.amin), reduce(info.min, torch.amax)
+    if nb * block != n:
+        xt = torch.cat([xt, xt[..., -1:].expand(*xt.shape[:-1], nb * block - n)], -1)
+    lo, hi = torch.aminmax(xt.unflatten(-1, (nb, block)), dim=-1)
+    return lo.movedim(-1, dim), hi.movedim(-1, dim)
 
 
 def compile_region(region: Region) -> CompiledRegion:

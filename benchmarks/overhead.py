@@ -1,0 +1,98 @@
+"""Where the time of one call goes: GPU kernel time against the host-side layers around it.
+
+    python -m benchmarks.overhead --variants sliding_window,vanilla --d 64
+
+For each variant (bf16, CUDA) it times, with ``triton.testing.do_bench`` (median):
+the compiled function, the ``flashlight::region`` op called directly, ``CompiledRegion.forward``,
+``CompiledRegion.launch`` and the kernel alone (``do_bench_cudagraph`` of the launch: no host
+cost). ``host_us`` columns are host time per call (200 calls without synchronising, divided):
+when a layer's host time exceeds the kernel time, the call is launch-bound. With ``--profile``
+it prints cProfile's top entries for the compiled function.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import csv
+import os
+import pstats
+import time
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+import flashlight  # noqa: F401 — registers the backend
+from flashlight.examples import VARIANTS
+from flashlight.runtime import op as rt
+
+
+def host_us(fn, calls: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="vanilla,sliding_window,document_mask")
+    p.add_argument("--b", type=int, default=4)
+    p.add_argument("--h", type=int, default=16)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    args = p.parse_args()
+    out_dir = os.environ.get("OUT", args.out)
+    os.makedirs(out_dir, exist_ok=True)
+    captured: dict[str, list] = {}
+    forward = rt.CompiledRegion.forward
+
+    def recording(self, inputs):
+        captured[self.key] = inputs
+        return forward(self, inputs)
+    rows = []
+    for name in args.variants.split(","):
+        mod = VARIANTS[name]
+        inputs = mod.make_inputs(args.b, args.h, args.n, args.n, args.d, torch.bfloat16, "cuda")
+        fn = torch.compile(mod.attention, backend="flashlight", fullgraph=True)
+        rt.CompiledRegion.forward = recording     # this script's probe: record the region inputs
+        captured.clear()
+        fn(*inputs)
+        rt.CompiledRegion.forward = forward
+        (key, leaves), = captured.items()
+        c = rt.REGISTRY[key]
+        cfg = c.config(leaves)
+        layers = {
+            "compiled": lambda: fn(*inputs),
+            "op": lambda: torch.ops.flashlight.region(key, leaves),
+            "forward": lambda: c.forward(leaves),
+            "launch": lambda: c.launch(leaves, cfg),
+        }
+        row = dict(variant=name, d=args.d, n=args.n)
+        for layer, f in layers.items():
+            row[f"{layer}_us"] = 1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
+            row[f"{layer}_host_us"] = host_us(f)
+        row["kernel_us"] = 1e3 * do_bench_cudagraph(layers["launch"], rep=50, return_mode="median")
+        rows.append(row)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                fn(*inputs)
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    with open(os.path.join(out_dir, "overhead.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
