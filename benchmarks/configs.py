@@ -5,7 +5,7 @@
 For each variant: compile it with flashlight, run it once to capture the region's inputs, then
 time ``CompiledRegion.launch`` under each candidate config (the autotuner's space, plus a wider
 grid with ``--extra``) with ``triton.testing.do_bench`` (median). Prints one line per config and
-the tuner's choice; writes ``configs.csv`` to ``$OUT`` (or ``--out``).
+the config the default (heuristic) mode picks; writes ``configs.csv`` to ``$OUT`` (or ``--out``).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def main() -> None:
             c = rt.REGISTRY[key]
             r = c.region
             chosen = c.config(leaves)
-            space = candidates(r.M, r.N, max(head_block(r.DK), head_block(r.DV)), True, len(r.dots))
+            space = candidates(max(head_block(r.DK), head_block(r.DV)), len(r.dots))
             space += [x for x in EXTRA if args.extra and x not in space]
             for cfg in space:
                 try:
@@ -66,7 +66,7 @@ def main() -> None:
                 rows.append(dict(variant=name, d=args.d, n=args.n, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, ms=ms,
                                  chosen=cfg == chosen, note=note))
-                print(f"{name:16s} d={args.d} {cfg} {ms:8.4f} ms{'  <- tuned' if cfg == chosen else ''} {note}",
+                print(f"{name:16s} d={args.d} {cfg} {ms:8.4f} ms{'  <- default' if cfg == chosen else ''} {note}",
                       flush=True)
     with open(os.path.join(out_dir, "configs.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -75,7 +75,7 @@ def main() -> None:
     for name in args.variants.split(","):
         best = min((x for x in rows if x["variant"] == name), key=lambda x: x["ms"] if x["ms"] == x["ms"] else 1e9)
         tuned = next(x for x in rows if x["variant"] == name and x["chosen"])
-        print(f"{name:16s} tuned {tuned['ms']:.4f} ms, best {best['ms']:.4f} ms "
+        print(f"{name:16s} default {tuned['ms']:.4f} ms, best {best['ms']:.4f} ms "
               f"({best['BLOCK_M']}x{best['BLOCK_N']} w{best['num_warps']} s{best['num_stages']})")
 
 

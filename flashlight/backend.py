@@ -43,13 +43,14 @@ def _debug(stage: str, payload) -> None:
         print(f"[flashlight] after {stage}:\n{payload}\n")
 
 
-def lower(region: Region):
+def lower(region: Region, max_autotune: bool = False):
     """verify -> rewrite -> verify -> codegen; returns the CompiledRegion."""
     from .runtime.op import compile_region
     region = verify(region)
     _debug("capture", region)
     region = rewrite(region, debug=lambda name, r: _debug(f"rewrite[{name}]", r))
     compiled = compile_region(region)
+    compiled.max_autotune |= max_autotune
     _debug("codegen", f"{compiled.name} -> {compiled.path}")
     return compiled
 
@@ -61,7 +62,7 @@ def replace(graph: fx.Graph, match: Match, key: str) -> None:
     match.root.replace_all_uses_with(call)
 
 
-def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphReport]:
+def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:
     """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op."""
     report = GraphReport()
     aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
@@ -69,7 +70,7 @@ def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphRepor
     report.fallbacks += fallbacks
     for m in matches:
         try:
-            compiled = lower(m.region)
+            compiled = lower(m.region, max_autotune)
         except (Unsupported, CodegenError, VerifyError) as e:
             report.fallbacks.append(Fallback(m.root.name, str(m.root.target), str(e), source_line(m.root)))
             continue
@@ -85,9 +86,9 @@ def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphRepor
     return aten_gm, report
 
 
-def _compile(gm: fx.GraphModule, example_inputs):
+def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
     try:
-        fused, report = fuse(gm, example_inputs)
+        fused, report = fuse(gm, example_inputs, max_autotune)
     except Exception as e:  # noqa: BLE001 — never break a program eager runs; say why in explain()
         if os.environ.get("FLASHLIGHT_STRICT") == "1":
             raise
@@ -103,19 +104,27 @@ class PerShape:
     second sequence length): fused and compiled once per concrete input shape, at first call.
     The generated kernels do not depend on lengths, so Triton compiles each only once."""
 
-    def __init__(self, gm: fx.GraphModule):
-        self.gm, self.compiled = gm, {}
+    def __init__(self, gm: fx.GraphModule, max_autotune: bool):
+        self.gm, self.max_autotune, self.compiled = gm, max_autotune, {}
 
     def __call__(self, *args):
         key = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
                     for a in args)
         if key not in self.compiled:
-            self.compiled[key] = _compile(self.gm, args)
+            self.compiled[key] = _compile(self.gm, args, self.max_autotune)
         return self.compiled[key](*args)
 
 
-def flashlight_backend(gm: fx.GraphModule, example_inputs, **kwargs):
+def wants_autotune(mode: str | None, options: dict | None) -> bool:
+    """``mode="max-autotune"`` (any max-autotune mode), ``options={"max_autotune": True}`` or
+    ``FLASHLIGHT_AUTOTUNE=1``: time the launch configs of each kernel (cached on disk)."""
+    return bool((mode or "").startswith("max-autotune") or (options or {}).get("max_autotune")
+                or os.environ.get("FLASHLIGHT_AUTOTUNE") == "1")
+
+
+def flashlight_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
     """``torch.compile(fn, backend="flashlight")``: fuse attention regions, Inductor for the rest."""
+    tune = wants_autotune(mode, options)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
         # probe on the example (hint) values: a graph with nothing to fuse keeps Inductor's
@@ -123,8 +132,8 @@ def flashlight_backend(gm: fx.GraphModule, example_inputs, **kwargs):
         try:
             _, probe = fuse(gm, [_compat.concrete(x) for x in example_inputs])
         except Exception:  # noqa: BLE001 — a failed probe only costs the single dynamic compile
-            return PerShape(gm)
+            return PerShape(gm, tune)
         if probe.regions:
-            return PerShape(gm)
+            return PerShape(gm, tune)
         return _compat.compile_fx(gm, list(example_inputs))
-    return _compile(gm, example_inputs)
+    return _compile(gm, example_inputs, tune)

@@ -1,5 +1,7 @@
 """Runtime: autograd through the fused op, fp64 gradcheck, call-time errors, kernel cache,
 and isolation from programs compiled with the default backend."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -101,23 +103,39 @@ def test_tuning_cache_round_trip_and_corruption(tmp_path):
 
 
 def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
-    """The CUDA branch of config(), driven on CPU: tune once, then a fresh object (a second
-    process) reads the winner from disk without timing anything."""
+    """The CUDA branch of config(), driven on CPU. By default: the heuristic, nothing timed.
+    With max-autotune: tune once; a fresh object (a second process) reads the winner from disk
+    without timing anything, in either mode."""
     from flashlight.runtime import op
-    from flashlight.tune import Config
+    from flashlight.tune import Config, heuristic
     monkeypatch.setenv("FLASHLIGHT_CACHE_DIR", str(tmp_path))
     r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=20, D=16)).regions[0]
     c = op.REGISTRY[r.key]
-    fresh = op.CompiledRegion(c.region, c.source, c.name, tmp_path / f"{c.name}.py", c.kernel, c.stats)
+
+    def fresh(max_autotune):
+        return op.CompiledRegion(c.region, c.source, c.name, tmp_path / f"{c.name}.py", c.kernel, c.stats,
+                                 max_autotune=max_autotune)
     two = [Config(32, 16, 4, 2), Config(16, 16, 4, 2)]
     monkeypatch.setattr(op, "candidates", lambda *a, **k: two)
+    monkeypatch.setattr(op, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
     timed = []
     monkeypatch.setattr(op.CompiledRegion, "autotune", lambda self, inputs, cfgs: timed.append(1) or cfgs[1])
-    inputs = [torch.randn(s.shape) for s in c.region.inputs]
-    assert fresh.config(inputs) == two[1] and timed == [1]
-    again = op.CompiledRegion(c.region, c.source, c.name, tmp_path / f"{c.name}.py", c.kernel, c.stats)
-    assert again.config(inputs) == two[1] and timed == [1]
+    inputs = [SimpleNamespace(device=torch.device("cuda"))]    # config() only asks where inputs live
+    assert fresh(False).config(inputs) == heuristic(16, 1, False) and timed == []
+    assert fresh(True).config(inputs) == two[1] and timed == [1]
+    assert fresh(True).config(inputs) == two[1] and timed == [1]
+    assert fresh(False).config(inputs) == two[1] and timed == [1]
+
+
+def test_max_autotune_mode_reaches_the_compiled_region():
+    from flashlight.backend import wants_autotune
+    from flashlight.runtime import op
+    assert wants_autotune("max-autotune-no-cudagraphs", None) and wants_autotune(None, {"max_autotune": True})
+    assert not wants_autotune(None, None) and not wants_autotune("reduce-overhead", {})
+    xs = causal.make_inputs(B=1, H=1, M=20, D=16)
+    torch.compile(causal.attention, backend="flashlight", mode="max-autotune")(*xs)
+    assert any(c.max_autotune and c.region.M == 20 for c in op.REGISTRY.values())
 
 
 def test_dynamic_shapes_fuse_per_length_with_one_kernel():

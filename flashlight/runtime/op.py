@@ -19,7 +19,7 @@ import triton
 from ..codegen import generate
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate
-from ..tune import Config, TuningCache, bucket, candidates, head_block
+from ..tune import INTERPRETER, Config, TuningCache, bucket, candidates, head_block, heuristic
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -42,6 +42,7 @@ class CompiledRegion:
     tuned: dict = field(default_factory=dict)      # shape bucket -> Config
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
+    max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -97,23 +98,26 @@ class CompiledRegion:
         return out
 
     def config(self, inputs: list[torch.Tensor]) -> Config:
-        """Launch config for these sizes: memory, then disk, then autotuning (CUDA only)."""
+        """Launch config for these sizes: memory, then disk (an earlier tuning), then autotuning
+        when it was asked for (CUDA only), else the heuristic."""
         r = self.region
         shape_bucket = bucket(r.M, r.N, math.prod(r.batch))
         if shape_bucket in self.tuned:          # the per-call path: one dict lookup
             return self.tuned[shape_bucket]
-        on_gpu = inputs[0].device.type == "cuda" and not interpreting()
-        configs = candidates(r.M, r.N, max(head_block(r.DK), head_block(r.DV)), on_gpu, len(r.dots))
-        if len(configs) > 1:
+        if inputs[0].device.type != "cuda" or interpreting():
+            cfg = INTERPRETER
+        else:
+            block_d = max(head_block(r.DK), head_block(r.DV))
             key = TuningCache.key(shape_bucket, torch.cuda.get_device_name(inputs[0].device))
             disk = TuningCache(self.path.parent, self.name)
-            best = disk.load().get(key)
-            if best is None:
-                best = self.autotune(inputs, configs)
-                disk.store(key, best)
-            configs = [best]
-        self.tuned[shape_bucket] = configs[0]
-        return configs[0]
+            cfg = disk.load().get(key)
+            if cfg is None and self.max_autotune:
+                cfg = self.autotune(inputs, candidates(block_d, len(r.dots)))
+                disk.store(key, cfg)
+            elif cfg is None:
+                cfg = heuristic(block_d, len(r.dots), bool(self.stats))
+        self.tuned[shape_bucket] = cfg
+        return cfg
 
     def autotune(self, inputs, configs: list[Config]) -> Config:
         from triton.testing import do_bench

@@ -1,9 +1,13 @@
 """Tune (DESIGN.md §6): launch configurations for the generated kernels.
 
-A typed config space pruned by head dim; on CUDA the candidates are timed once per shape bucket
-and the winner is kept in memory and on disk (``TuningCache``: keyed by kernel source hash, shape
-bucket, GPU name and torch/triton versions), so a second process does not retune. The
-interpreter (CPU) gets small blocks: it is slow per element.
+By default a kernel launches with a heuristic config chosen from head dim, score tile count and
+whether the mask reads data (measured on the H200: within a few percent of the best config for
+most variants), so the first call costs one Triton compile — as FlexAttention does. With
+``torch.compile(..., mode="max-autotune")`` (or ``FLASHLIGHT_AUTOTUNE=1``) the candidates are
+timed once per shape bucket and the winner is kept in memory and on disk (``TuningCache``: keyed
+by kernel source hash, shape bucket, GPU name and torch/triton versions); a tuned result on disk
+is used in either mode, so a second process does not retune. The interpreter (CPU) gets small
+blocks: it is slow per element.
 """
 from __future__ import annotations
 
@@ -33,12 +37,26 @@ def head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def candidates(M: int, N: int, block_d: int, on_gpu: bool, n_dots: int = 1) -> list[Config]:
-    if not on_gpu:
-        return [Config(16, 16, 1, 1)]
+INTERPRETER = Config(16, 16, 1, 1)      # Triton's CPU interpreter is slow per element: small tiles
+
+
+def heuristic(block_d: int, n_dots: int, data_stats: bool) -> Config:
+    """The launch config used without autotuning (the default, as FlexAttention does), from the
+    H200 sweep in docs/notes.md (session 2): over 7 variants, 64x64 w4 s3 is within 1.1% of the
+    best config on average at D<=64 (worst 4.6%); at D=128 128x128 w8 s3 is within 3.1% (worst
+    20%, the document mask, where 64x64 w4 s3 is best: short live ranges favour small blocks)."""
+    if block_d >= 256:
+        return Config(64, 64, 4, 2)       # shared memory: K and V tiles of a 256-wide head
+    if block_d >= 128 and not data_stats:
+        return Config(128, 64, 8, 3) if n_dots > 1 else Config(128, 128, 8, 3)
+    return Config(64, 64, 4, 3)
+
+
+def candidates(block_d: int, n_dots: int = 1) -> list[Config]:
+    """The autotuning space (``mode="max-autotune"``), pruned by head dim and score tile count."""
     configs = []
     for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-                         (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4)]:
+                         (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (64, 32, 4, 3)]:
         if block_d >= 256 and bm * bn > 128 * 64:
             continue     # shared memory: the K/V tiles of a 256-wide head
         if n_dots > 2 and bn > 64:
