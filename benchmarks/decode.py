@@ -3,8 +3,8 @@ of ``kv_len`` tokens, GQA (K/V heads shared by groups of query heads), causal wi
 
 Query ``i`` sits at position ``offset + i`` with ``offset = kv_len - q_len`` (the cache already
 holds the new tokens' keys), so it sees keys ``0 .. offset + i``. Flashlight fuses these programs
-like any other; the FlexAttention spellings below (``FLEX``) and SDPA spellings (``sdpa_call``)
-compute the same values.
+like any other; the FlexAttention (``flex_causal``, ``flex_alibi``) and SDPA (``sdpa_call``)
+spellings below compute the same values.
 """
 from __future__ import annotations
 
@@ -83,22 +83,19 @@ def flex_alibi(inputs):
 
 
 def sdpa_call(name: str, inputs):
-    """Zero-argument SDPA call: lower-right causal alignment is the offset mask (no mask at all
-    when every query sees the whole cache); ALiBi as a small additive [1, H, M, N] bias built
-    outside the timed call."""
+    """Zero-argument SDPA call for q_len = 1 (None otherwise): the query heads sharing a KV head
+    become the rows of one query (``[B, Hkv, G, D]``, the usual GQA decoding layout), so every
+    SDPA backend may take it without repeating K/V. The one query sees the whole cache, so causal
+    needs no mask; ALiBi is a small [1, Hkv, G, N] bias built outside the timed call."""
     q, k, v = inputs
-    M, N, H = q.shape[-2], k.shape[-2], q.shape[1]
-    if name == "decode_causal":
-        if M == 1:
-            return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        from torch.nn.attention.bias import causal_lower_right
-        bias = causal_lower_right(M, N)
-        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    B, H, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[-2]
+    if M != 1:
+        return None
+    rows = q.reshape(B, Hkv, H // Hkv, D)       # head h = kv * G + g, as _expand_kv pairs them
+    bias = None
     if name == "decode_alibi":
         from .flex_equivalents import alibi_slopes
-        q_pos = torch.arange(M, device=q.device)[:, None] + (N - M)
-        kv_idx = torch.arange(N, device=q.device)[None, :]
-        bias = alibi_slopes(H, q.device)[:, None, None] * (kv_idx - q_pos)
-        bias = bias.masked_fill(kv_idx > q_pos, float("-inf"))[None].to(q.dtype)
-        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
-    return None
+        dist = torch.arange(N, device=q.device) - (N - 1)
+        bias = (alibi_slopes(H, q.device)[:, None] * dist).reshape(1, Hkv, H // Hkv, N).to(q.dtype)
+    return lambda: F.scaled_dot_product_attention(rows, k, v, attn_mask=bias).reshape(B, H, 1, D)

@@ -163,11 +163,11 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
         return _flex_call(prog, xs, fn, lambda: bm)
     if backend.startswith("sdpa_"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        if prog.sdpa is None:
+        call = prog.sdpa(xs) if prog.sdpa is not None else None
+        if call is None:
             raise NotApplicable("SDPA cannot express this program")
         which = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
-        call = prog.sdpa(xs)
 
         def run():
             with sdpa_kernel(which), warnings.catch_warnings():
@@ -198,7 +198,7 @@ def ref_heads(case: Case) -> int | None:
     return REF_HEADS if PROGRAMS[case.program].head_sliceable and case.H > REF_HEADS else None
 
 
-def slice_results(results, case: Case, xs) -> list[torch.Tensor]:
+def slice_results(results, case: Case) -> list[torch.Tensor]:
     """The part of a backend's (output, *grads) that the reference computed."""
     prog, heads = PROGRAMS[case.program], ref_heads(case)
     out = slice_input(results[0], 0, prog, heads)
@@ -206,7 +206,7 @@ def slice_results(results, case: Case, xs) -> list[torch.Tensor]:
     return [out, *grads]
 
 
-def reference(case: Case, xs, dout, env: Env) -> list[torch.Tensor]:
+def reference(case: Case, xs, dout) -> list[torch.Tensor]:
     """fp32 eager on batch 0 (first heads where independent): output (and q, k, v gradients).
     Rows with every key masked come out NaN in eager and 0 in Flashlight and Flex: use 0."""
     prog, heads = PROGRAMS[case.program], ref_heads(case)
@@ -221,8 +221,8 @@ def reference(case: Case, xs, dout, env: Env) -> list[torch.Tensor]:
     return [torch.nan_to_num(out.detach(), nan=0.0), *torch.autograd.grad(out, leaves, d)]
 
 
-def max_rel_error(results, ref, case: Case, xs) -> float:
-    got = slice_results(results if isinstance(results, tuple) else (results,), case, xs)
+def max_rel_error(results, ref, case: Case) -> float:
+    got = slice_results(results if isinstance(results, tuple) else (results,), case)
     return max(rel_error(g.detach(), r) for g, r in zip(got, ref))
 
 
@@ -252,7 +252,7 @@ def measure_backend(backend: str, case: Case, xs, leaves, dout, ref, env: Env, s
             results, first_s = timed_first_call(run, env)
         cell["first_s"] = NA if backend in ("eager", "flex_mask") or backend.startswith("sdpa") else first_s
         if ref is not None:
-            cell["err"] = max_rel_error(results, ref, case, xs)
+            cell["err"] = max_rel_error(results, ref, case)
             tol = env.tol * (2.5 if case.mode == "fwd+bwd" else 1.0)
             cell["ok"] = bool(cell["err"] <= tol)
         del results
@@ -292,7 +292,7 @@ def measure(case: Case, env: Env) -> dict:
         if case.mode == "fwd+bwd":
             q, v = xs[0], xs[2]           # training programs are BHSD: out is [B, H, M, Dv]
             dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=env.dtype, device=env.device)
-        ref = reference(case, xs, dout, env)
+        ref = reference(case, xs, dout)
         row["ref"] = "fp32 eager, batch 0" + (f", heads 0-{ref_heads(case) - 1}" if ref_heads(case) else "")
     except Exception as e:   # noqa: BLE001
         row["ref"] = "none"

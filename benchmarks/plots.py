@@ -40,8 +40,8 @@ def speedup_bars(plt, rows: list[dict], suite: str, path: str) -> bool:
         return False
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     shapes = list(dict.fromkeys(shape_label(r) for r in rows))
-    fig, axes = plt.subplots(len(baselines), 1, figsize=(max(6, 1.2 * len(variants) * max(1, len(shapes)) ** 0.5), 3.2 * len(baselines)),
-                             squeeze=False)
+    width_in = min(18.0, max(6.0, 1.2 * len(variants) * len(shapes) ** 0.5))
+    fig, axes = plt.subplots(len(baselines), 1, figsize=(width_in, 3.2 * len(baselines)), squeeze=False)
     width = 0.8 / len(shapes)
     for ax, base in zip(axes[:, 0], baselines):
         for j, shape in enumerate(shapes):
@@ -65,35 +65,40 @@ def speedup_bars(plt, rows: list[dict], suite: str, path: str) -> bool:
 
 
 def tflops_vs_n(plt, rows: list[dict], suite: str, path: str) -> bool:
+    from matplotlib.lines import Line2D
     variants = list(dict.fromkeys(r["variant"] for r in rows))
+    dims = sorted({int(r["D"]) for r in rows})
+    style = {d: ls for d, ls in zip(dims, ["--", "-", ":", "-."])}
     cols = min(4, len(variants))
     nrows = -(-len(variants) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.9 * nrows), squeeze=False)
-    drawn = False
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.9 * nrows + 0.6), squeeze=False)
+    used = set()
     for ax, v in zip(axes.flat, variants):
         mine = [r for r in rows if r["variant"] == v]
-        dims = sorted({int(r["D"]) for r in mine})
         for d in dims:
             for b, colour in LINES.items():
                 pts = sorted((int(r["N"]), num(r.get(f"{b}_tflops"))) for r in mine if int(r["D"]) == d)
                 pts = [(n, t) for n, t in pts if t is not None]
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", color=colour, ls="-" if d == dims[-1] else "--",
-                            label=f"{b} D{d}")
-                    drawn = True
+                    ax.plot(*zip(*pts), marker="o", color=colour, ls=style[d])
+                    used.add(b)
         ax.set_xscale("log", base=2)
         ax.set_title(v, fontsize=9)
         ax.set_xlabel("sequence length N", fontsize=8)
         ax.set_ylabel("TFLOP/s", fontsize=8)
-        ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(variants):]:
         ax.set_visible(False)
+    if not used:
+        plt.close(fig)
+        return False
+    handles = [Line2D([], [], color=c, marker="o", label=b) for b, c in LINES.items() if b in used]
+    handles += [Line2D([], [], color="k", ls=style[d], label=f"D={d}") for d in dims]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(f"{suite}: TFLOP/s of unmasked work", fontsize=10)
-    fig.tight_layout()
-    if drawn:
-        fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return drawn
+    return True
 
 
 def plot_all(rows: list[dict], out: str) -> list[str]:

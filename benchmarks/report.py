@@ -105,7 +105,7 @@ def backend_line(row: dict, backend: str) -> str:
     if num(row.get(f"{backend}_tflops")) is not None:
         s += f" {num(row[f'{backend}_tflops']):.0f}TF/s"
     if num(row.get(f"{backend}_err")) is not None:
-        s += f" err {num(row[f'{backend}_err']):.0e}" + ("" if row.get(f"{backend}_ok") else " NOT OK")
+        s += f" err {num(row[f'{backend}_err']):.0e}" + ("" if row.get(f"{backend}_ok") in (True, "True") else " NOT OK")
     if num(row.get(f"{backend}_first_s")) is not None:
         s += f" first {num(row[f'{backend}_first_s']):.1f}s"
     return s

@@ -27,7 +27,7 @@ import time
 import torch
 
 from . import suites
-from .measure import Env, measure
+from .measure import Env, measure, short
 from .plots import plot_all
 from .report import LEGEND, CsvSink, backend_line, read_csv, table
 
@@ -64,15 +64,55 @@ def select(args) -> list[suites.Case]:
     return cases
 
 
+SHARED = "measured in suite"
+
+
+def reuse_key(variant, mode, shape, dtype, device) -> tuple:
+    return (variant, mode, shape, str(dtype).replace("torch.", ""), device)
+
+
+def wanted(case: suites.Case, env: Env) -> list[str]:
+    return [b for b in case.backends if env.backends is None or b in env.backends]
+
+
+def attempted(row: dict) -> set[str]:
+    """Backends with a time, an n/a or an error in ``row``."""
+    return {b for b in suites.BACKENDS if row.get(f"{b}_ms") not in (None, "") or row.get(f"{b}_note")}
+
+
+def run_case(case: suites.Case, env: Env, done: dict) -> dict:
+    """Measure ``case``, or list the measurement another suite made of the same case (in this
+    run or an earlier one into the same CSV) when it covers this suite's backends."""
+    key = reuse_key(case.variant, case.mode, case.shape, env.dtype, env.device)
+    prev = done.get(key)
+    if prev is not None and prev["suite"] != case.suite and set(wanted(case, env)) <= attempted(prev):
+        shared = f"{SHARED} {prev['suite']}"
+        return dict(prev, suite=case.suite, notes=f"{prev['notes']} | {shared}" if prev["notes"] else shared)
+    try:
+        row = measure(case, env)
+    except Exception as e:   # noqa: BLE001 — inputs or FLOP count failed: record, go on
+        row = dict(suite=case.suite, variant=case.variant, program=case.program, mode=case.mode,
+                   B=case.B, H=case.H, M=case.M, N=case.N, D=case.D, shape=case.shape,
+                   dtype=str(env.dtype).replace("torch.", ""), device=env.device,
+                   notes="case failed: " + short(e, 300))
+        if env.cuda:
+            torch.cuda.empty_cache()
+    done[key] = row
+    return row
+
+
 def progress(total: int):
-    """A tqdm bar, or a stand-in with the same three methods when tqdm is missing."""
+    """A tqdm bar on a terminal; otherwise (tqdm missing, output captured to a file, where every
+    redraw would be a line) a stand-in with the same methods: each row line counts [i/n]."""
     try:
         from tqdm import tqdm
-        return tqdm(total=total, unit="case", dynamic_ncols=True, file=sys.stderr)
+        if sys.stderr.isatty():
+            return tqdm(total=total, unit="case", dynamic_ncols=True, file=sys.stderr)
+        raise ImportError
     except ImportError:
         class Bar:
             def set_postfix_str(self, s):
-                print(f"... {s}", flush=True)
+                pass
 
             def update(self, n=1):
                 pass
@@ -92,7 +132,8 @@ def parse_args(argv=None):
     size.add_argument("--quick", action="store_true", help="fewer shapes")
     size.add_argument("--tiny", action="store_true", help="tiny shapes (CPU plumbing check)")
     p.add_argument("--only", help="comma list of variant (or program) names")
-    p.add_argument("--backends", help=f"comma list of backends to run (default: each case's): {', '.join(suites.BACKENDS)}")
+    p.add_argument("--backends", help="comma list of backends to run (default: each case's): "
+                   + ", ".join(suites.BACKENDS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=DTYPES, help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms")
@@ -129,6 +170,7 @@ def main(argv=None) -> int:
     torch.set_float32_matmul_precision("highest")      # the fp32 reference without TF32
     dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
     env = Env(device=args.device, dtype=dtype, warmup=args.warmup, rep=args.rep,
+              tol=1e-3 if dtype == torch.float32 else 2e-2,
               backends=tuple(args.backends.split(",")) if args.backends else None)
     out = args.out or default_out(args.device)
     os.makedirs(out, exist_ok=True)
@@ -137,7 +179,9 @@ def main(argv=None) -> int:
     print(f"benchmarks: {len(cases)} cases, torch {torch.__version__}, {gpu}, {str(dtype).replace('torch.', '')} "
           f"-> {sink.path}", flush=True)
 
-    rows, done, t0 = [], {}, time.perf_counter()
+    rows, t0 = [], time.perf_counter()
+    done = {reuse_key(r["variant"], r["mode"], r["shape"], r["dtype"], r["device"]): r
+            for r in read_csv(sink.path) if SHARED not in r["notes"]}
     bar = progress(len(cases))
     for i, case in enumerate(cases):
         if args.time_limit is not None and time.perf_counter() - t0 > args.time_limit:
@@ -145,19 +189,12 @@ def main(argv=None) -> int:
             break
         bar.set_postfix_str(f"{case.suite} {case.variant} {case.shape}")
         t_case = time.perf_counter()
-        if case.key in done and set(case.backends) <= set(done[case.key]["_backends"]):
-            row = dict(done[case.key], suite=case.suite)       # one measurement, listed in both suites
-            row["notes"] = (row["notes"] + " | " if row["notes"] else "") + f"measured in suite {done[case.key]['suite']}"
-        else:
-            row = measure(case, env)
-            row["_backends"] = case.backends
-            done[case.key] = row
+        row = run_case(case, env, done)
         sink.write(row)
         rows.append(row)
-        lines = "\n    ".join(backend_line(row, b) for b in case.backends
-                              if env.backends is None or b in env.backends)
-        bar.write(f"[{i + 1}/{len(cases)}] {case.suite} {case.variant} {case.shape} {case.mode} "
-                  f"({time.perf_counter() - t_case:.1f}s)\n    {lines}")
+        lines = "\n    ".join(backend_line(row, b) for b in wanted(case, env))
+        bar.write(f"[{i + 1}/{len(cases)} at {time.perf_counter() - t0:.0f}s] {case.suite} {case.variant} "
+                  f"{case.shape} {case.mode} ({time.perf_counter() - t_case:.1f}s)\n    {lines}")
         bar.update(1)
     bar.close()
 
@@ -165,8 +202,10 @@ def main(argv=None) -> int:
     if not args.no_plots:
         for p in plot_all(read_csv(sink.path), out):
             print(f"plot: {p}")
-    print(LEGEND)
-    print(table(rows), flush=True)
+    summary = f"{LEGEND}\n{table(rows)}"
+    with open(os.path.join(out, "summary.txt"), "a") as f:
+        f.write(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {gpu}\n{summary}\n\n")
+    print(summary, flush=True)
     return 0
 
 

@@ -27,7 +27,6 @@ from . import decode
 from . import flex_equivalents as fe
 
 SUITES = ("flex", "sparsity", "beyond", "training", "decode")
-SIZES = ("full", "quick", "tiny")
 BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
             "inductor", "eager")
 
@@ -41,7 +40,8 @@ class Program:
         make: ``make(B, H, M, N, D, dtype, device, **extra) -> inputs``.
         flex: ``flex(inputs) -> (q, k, v, score_mod, mask_mod, kwargs, out_transform)``, or None
             when FlexAttention cannot express the program.
-        sdpa: ``sdpa(inputs) -> zero-argument call`` computing the same values, or None.
+        sdpa: ``sdpa(inputs) -> zero-argument call`` computing the same values (None for
+            inputs SDPA cannot take), or None.
         batch_dependent: the mask reads per-batch data (its block mask is built per batch).
         qk_flops: FLOPs per unmasked (q, k) pair and head as a function of D (``4 D``: one
             ``q·k`` and one ``p·v`` dot of D multiply-adds each).
