@@ -18,6 +18,7 @@ An exception in any backend is recorded in its ``note`` column and the run goes 
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 import warnings
@@ -83,6 +84,17 @@ def bench(run: Callable, env: Env) -> float:
     t0 = time.perf_counter()
     run()
     return (time.perf_counter() - t0) * 1e3
+
+
+def release(env: Env) -> None:
+    """Give cached GPU memory back (after a failure, and between cases)."""
+    if env.cuda:
+        gc.collect()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except RuntimeError:     # a broken context: every later case will say so in its notes
+            pass
 
 
 def timed_first_call(run: Callable, env: Env):
@@ -264,9 +276,8 @@ def measure_backend(backend: str, case: Case, xs, leaves, dout, ref, env: Env, s
             cell.update(ms=NA, err=NA, ok=NA, first_s=NA, note="n/a: no SDPA kernel for these inputs")
         else:
             cell["note"] = "error: " + short(e)
-        if env.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+    if cell["note"].startswith("error"):
+        release(env)      # here, not in the except block: its traceback still holds the tensors
     return cell
 
 
@@ -297,8 +308,6 @@ def measure(case: Case, env: Env) -> dict:
     except Exception as e:   # noqa: BLE001
         row["ref"] = "none"
         notes.append("reference: " + short(e))
-        if env.cuda:
-            torch.cuda.empty_cache()
     shared: dict = {}
     for b in case.backends:
         if env.backends is not None and b not in env.backends:
@@ -314,8 +323,8 @@ def measure(case: Case, env: Env) -> dict:
             row[f"{b}_tflops"] = NA
     add_speedups(row)
     row["notes"] = " | ".join(notes)
-    if env.cuda:
-        torch.cuda.empty_cache()
+    del xs, leaves, dout, ref
+    release(env)
     return row
 
 

@@ -27,7 +27,7 @@ import time
 import torch
 
 from . import suites
-from .measure import Env, measure, short
+from .measure import Env, measure, release, short
 from .plots import plot_all
 from .report import LEGEND, CsvSink, backend_line, read_csv, table
 
@@ -95,8 +95,7 @@ def run_case(case: suites.Case, env: Env, done: dict) -> dict:
                    B=case.B, H=case.H, M=case.M, N=case.N, D=case.D, shape=case.shape,
                    dtype=str(env.dtype).replace("torch.", ""), device=env.device,
                    notes="case failed: " + short(e, 300))
-        if env.cuda:
-            torch.cuda.empty_cache()
+        release(env)
     done[key] = row
     return row
 
