@@ -244,7 +244,7 @@ def case_flops(case: Case, xs) -> tuple[float, float]:
     prog = PROGRAMS[case.program]
     pairs = fl.unmasked_pairs(prog.mask_mod(xs), case.B, case.M, case.N, xs[0].device, prog.batch_dependent)
     heads = case.H * prog.maps(dict(case.extra))
-    fwd = fl.forward_flops(pairs, heads, prog.qk_flops(case.D))
+    fwd = fl.forward_flops(pairs, heads, prog.pair_flops(case.D))
     return fl.total_flops(fwd, case.mode), pairs / (case.B * case.M * case.N)
 
 

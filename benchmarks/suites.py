@@ -43,7 +43,7 @@ class Program:
         sdpa: ``sdpa(inputs) -> zero-argument call`` computing the same values (None for
             inputs SDPA cannot take), or None.
         batch_dependent: the mask reads per-batch data (its block mask is built per batch).
-        qk_flops: FLOPs per unmasked (q, k) pair and head as a function of D (``4 D``: one
+        pair_flops: FLOPs per unmasked (q, k) pair and head as a function of D (``4 D``: one
             ``q·k`` and one ``p·v`` dot of D multiply-adds each).
         maps: attention maps per (batch, head): Evoformer runs one per MSA row S.
         unbatched: indices of inputs without a leading batch dim (not sliced for the reference).
@@ -55,7 +55,7 @@ class Program:
     flex: Callable | None = None
     sdpa: Callable | None = None
     batch_dependent: bool = False
-    qk_flops: Callable[[int], float] = lambda D: 4 * D
+    pair_flops: Callable[[int], float] = lambda D: 4 * D
     maps: Callable[[dict], int] = lambda extra: 1
     unbatched: tuple[int, ...] = ()
     head_sliceable: bool = False
@@ -97,7 +97,7 @@ PROGRAMS: dict[str, Program] = {
     "softcap": _example("softcap"),
     "gqa": _example("gqa", sdpa=_sdpa_gqa, head_sliceable=False),
     # two softmax maps over half-width heads sharing V: 2 (2 D/2) + 2 (2 D) = 6 D per pair
-    "diff_attention": _example("diff_attention", qk_flops=lambda D: 6 * D),
+    "diff_attention": _example("diff_attention", pair_flops=lambda D: 6 * D),
     "evoformer": Program(fn=VARIANTS["evoformer"].attention, make=VARIANTS["evoformer"].make_inputs,
                          maps=lambda extra: extra["S"]),
     "gated": _example("gated"),

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from benchmarks import flex_equivalents as fe
-from benchmarks import flops, run
+from benchmarks import flops, measure, run
+from benchmarks.suites import PROGRAMS, Case, make_inputs
 from benchmarks.decode import mask_mod as decode_mask
 from flashlight.examples.document_mask import doc_ids_for
 
@@ -35,6 +36,24 @@ def test_causal_count_and_formula():
     fwd = flops.forward_flops(pairs, 16, 4 * 64)
     assert fwd == 4 * 64 * 16 * pairs
     assert flops.total_flops(fwd, "fwd+bwd") == 3.5 * fwd
+
+
+@pytest.mark.parametrize("program", [p for p, prog in PROGRAMS.items() if prog.flex or prog.sdpa])
+def test_flex_and_sdpa_spellings_match_the_program(program):
+    """The FlexAttention (eager, its reference path) and SDPA spellings compute the program."""
+    case = Case("t", program, program, 2, 4, 1 if program.startswith("decode") else 37, 70, 16,
+                extra=(("kv_heads", 2),) if program.startswith("decode") else ())
+    xs = list(make_inputs(case, torch.float32, "cpu"))
+    want = torch.nan_to_num(PROGRAMS[program].fn(*xs), nan=0.0)
+    env = measure.Env(device="cpu", dtype=torch.float32)
+    backends = [b for b in ("flex", "flex_mask") if PROGRAMS[program].flex]
+    backends += ["sdpa_flash"] if PROGRAMS[program].sdpa and PROGRAMS[program].sdpa(xs) else []
+    for b in backends:
+        try:
+            got = measure.build(b, case, xs, env, {})()
+        except measure.NotApplicable:
+            continue
+        assert torch.allclose(got, want, atol=1e-5), (program, b)
 
 
 def run_case(tmp_path, monkeypatch, *argv):
