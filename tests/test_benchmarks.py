@@ -1,0 +1,103 @@
+"""benchmarks/: exact FLOP counting, and one case of the suite end to end on CPU (interpreter)."""
+import csv
+import math
+
+import pytest
+import torch
+
+from benchmarks import flex_equivalents as fe
+from benchmarks import flops, measure, run
+from benchmarks.suites import PROGRAMS, Case, make_inputs
+from benchmarks.decode import mask_mod as decode_mask
+from flashlight.examples.document_mask import doc_ids_for
+
+
+def brute_pairs(mask_mod, B, M, N):
+    q = torch.arange(M)[:, None]
+    kv = torch.arange(N)[None, :]
+    return sum(int(mask_mod(torch.tensor(b), torch.tensor(0), q, kv).expand(M, N).sum()) for b in range(B))
+
+
+@pytest.mark.parametrize("M, N", [(300, 300), (37, 70), (1, 77)])
+def test_unmasked_pairs_exact(monkeypatch, M, N):
+    monkeypatch.setattr(flops, "CHUNK", 64)     # several row chunks, a ragged last one
+    ids = doc_ids_for(3, max(M, N), generator=torch.Generator().manual_seed(0))
+    offset = decode_mask((torch.empty(1, 1, M, 1), torch.empty(1, 1, N, 1)))    # kv <= q + N - M
+    masks = [(fe.causal_mask, False), (fe.sliding_window_mask, False), (fe.prefix_lm_mask, False),
+             (fe.document_mask_mod(ids), True), (offset, False)]
+    for mask, per_batch in masks:
+        assert flops.unmasked_pairs(mask, 3, M, N, batch_dependent=per_batch) == brute_pairs(mask, 3, M, N)
+    assert flops.unmasked_pairs(None, 3, M, N) == 3 * M * N
+
+
+def test_causal_count_and_formula():
+    pairs = flops.unmasked_pairs(fe.causal_mask, 2, 4096, 4096)
+    assert pairs == 2 * 4096 * 4097 // 2
+    fwd = flops.forward_flops(pairs, 16, 4 * 64)
+    assert fwd == 4 * 64 * 16 * pairs
+    assert flops.total_flops(fwd, "fwd+bwd") == 3.5 * fwd
+
+
+@pytest.mark.parametrize("program", [p for p, prog in PROGRAMS.items() if prog.flex or prog.sdpa])
+def test_flex_and_sdpa_spellings_match_the_program(program):
+    """The FlexAttention (eager, its reference path) and SDPA spellings compute the program."""
+    case = Case("t", program, program, 2, 4, 1 if program.startswith("decode") else 37, 70, 16,
+                extra=(("kv_heads", 2),) if program.startswith("decode") else ())
+    xs = list(make_inputs(case, torch.float32, "cpu"))
+    want = torch.nan_to_num(PROGRAMS[program].fn(*xs), nan=0.0)
+    env = measure.Env(device="cpu", dtype=torch.float32)
+    backends = [b for b in ("flex", "flex_mask") if PROGRAMS[program].flex]
+    backends += ["sdpa_flash"] if PROGRAMS[program].sdpa and PROGRAMS[program].sdpa(xs) else []
+    for b in backends:
+        try:
+            got = measure.build(b, case, xs, env, {})()
+        except measure.NotApplicable:
+            continue
+        assert torch.allclose(got, want, atol=1e-5), (program, b)
+
+
+def run_case(tmp_path, monkeypatch, *argv):
+    monkeypatch.setenv("FLASHLIGHT_CACHE_DIR", str(tmp_path / "cache"))   # main() points it elsewhere
+    assert run.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), *argv]) == 0
+    with open(tmp_path / "results.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_flex_case_end_to_end(tmp_path, monkeypatch):
+    """One forward case: Flashlight fused and matches fp32 eager, eager Flex agrees, cuDNN is
+    n/a on CPU, TFLOP/s follows from the causal pair count, and the plots are written."""
+    rows = run_case(tmp_path, monkeypatch, "--suite", "flex", "--only", "causal",
+                    "--backends", "flashlight,flex,sdpa_cudnn")
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["suite"], r["variant"], r["N"], r["fused"]) == ("flex", "causal", "40", "1")
+    assert r["flashlight_ok"] == "True" and float(r["flashlight_err"]) < 1e-4
+    assert r["flex_ok"] == "True" and float(r["flex_err"]) < 1e-4
+    assert r["sdpa_cudnn_ms"] == "–" and r["sdpa_cudnn_note"].startswith("n/a")
+    assert r["inductor_ms"] == ""                     # not selected
+    B, H, N, D = 2, 2, 40, 32
+    assert math.isclose(float(r["density"]), (N * (N + 1) / 2) / (N * N), rel_tol=1e-6)
+    gflop = 4 * D * H * B * N * (N + 1) / 2 / 1e9
+    assert math.isclose(float(r["gflop"]), gflop, rel_tol=1e-5)
+    tf = gflop * 1e9 / (float(r["flashlight_ms"]) * 1e-3) / 1e12
+    assert math.isclose(float(r["flashlight_tflops"]), tf, rel_tol=1e-4)
+    assert math.isclose(float(r["flashlight_vs_flex"]), float(r["flex_ms"]) / float(r["flashlight_ms"]), rel_tol=1e-4)
+    # the sparsity suite lists flex's measurement of the same case instead of measuring again
+    rows = run_case(tmp_path, monkeypatch, "--suite", "sparsity", "--only", "causal",
+                    "--backends", "flashlight,flex", "--no-plots")
+    assert [x["suite"] for x in rows] == ["flex", "sparsity"]
+    assert rows[1]["flashlight_ms"] == r["flashlight_ms"] and "measured in suite flex" in rows[1]["notes"]
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "speedup_flex.png").exists() and (tmp_path / "tflops_flex.png").exists()
+
+
+def test_training_case_checks_gradients(tmp_path, monkeypatch):
+    """A fwd+bwd case compares the output and the q/k/v gradients and counts 3.5x the FLOPs."""
+    rows = run_case(tmp_path, monkeypatch, "--suite", "training", "--only", "causal",
+                    "--backends", "flashlight,eager", "--no-plots")
+    r = rows[0]
+    assert r["mode"] == "fwd+bwd"
+    assert r["flashlight_ok"] == "True" and float(r["flashlight_err"]) < 1e-4
+    assert r["eager_ok"] == "True"
+    B, H, N, D = 2, 2, 40, 32
+    assert math.isclose(float(r["gflop"]), 3.5 * 4 * D * H * B * N * (N + 1) / 2 / 1e9, rel_tol=1e-5)
