@@ -14,6 +14,7 @@ An unexpected error while fusing compiles the graph without fusion (explain() sa
 """
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, field
 
@@ -86,6 +87,25 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
     return aten_gm, report
 
 
+aten = torch.ops.aten
+# ATen ops that move no data: what remains of a graph around its regions when the user's function
+# is just attention (layout changes of q, k, v and of the output).
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+         aten.permute.default, aten.expand.default, aten.t.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.squeeze.default, aten.slice.Tensor, aten.select.int,
+         aten.alias.default, aten.detach.default, operator.getitem}
+
+
+def runs_as_is(gm: fx.GraphModule) -> bool:
+    """Nothing left for Inductor: only flashlight regions and views. Such a graph runs as the FX
+    module itself — Inductor would add seconds of compile at the first call and its wrapper's
+    cost to every call (~50 µs on the H200, docs/notes.md); the op's registered autograd serves
+    training."""
+    return all(n.op in ("placeholder", "output") or
+               (n.op == "call_function" and (n.target in VIEWS or getattr(n.target, "namespace", "") == "flashlight"))
+               for n in gm.graph.nodes)
+
+
 def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
     try:
         fused, report = fuse(gm, example_inputs, max_autotune)
@@ -96,6 +116,8 @@ def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
         fused, report = gm, GraphReport(fallbacks=[Fallback("graph", "-", reason, "")], graph=gm)
     for sink in _LISTENERS:
         sink.append(report)
+    if report.regions and runs_as_is(fused):
+        return fused
     return _compat.compile_fx(fused, list(example_inputs))
 
 

@@ -200,3 +200,22 @@ def test_internal_error_falls_back_with_reason(monkeypatch):
     assert not report.regions and "internal error" in report.fallbacks[0].reason
     out = torch.compile(causal.attention, backend="flashlight")(*inputs)
     assert rel_error(out, causal.attention(*(to64(x) for x in inputs))) < 1e-5
+
+
+def test_graph_of_only_regions_and_views_skips_inductor(monkeypatch):
+    """A function that is just attention runs as the traced FX module (no Inductor compile, no
+    wrapper); one with other compute (a projection) still goes to Inductor. Both stay exact."""
+    from flashlight import _compat
+    calls = []
+    real = _compat.compile_fx
+    monkeypatch.setattr(_compat, "compile_fx", lambda *a: calls.append(1) or real(*a))
+    q, k, v = causal.make_inputs(B=1, H=2, M=20, D=16)
+    bshd = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
+
+    def attention_bshd(q, k, v):          # layout changes around the region are views
+        return causal.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    out = torch.compile(attention_bshd, backend="flashlight")(*bshd)
+    assert calls == [] and rel_error(out, attention_bshd(*map(to64, bshd))) < 1e-3
+    w = torch.randn(16, 16)
+    out = torch.compile(lambda q, k, v: causal.attention(q @ w, k, v), backend="flashlight")(q, k, v)
+    assert calls == [1] and rel_error(out, causal.attention(to64(q) @ to64(w), to64(k), to64(v))) < 1e-3
