@@ -38,6 +38,8 @@ def features(region: Region) -> list[str]:
         feats.add("online-softmax")
     if len(region.passes()) > 1:
         feats.add(f"{len(region.passes())}-pass")
+    if any(r.extra is not None for r in region.reductions):
+        feats.add("sink")
     if len(region.dots) > 1:
         feats.add(f"{len(region.dots)}-scores")
     if refs(region.out, "load"):

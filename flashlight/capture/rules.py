@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import Expr, call, coerce, const, free_vars, refs
+from ..ir.expr import is_const
 from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, static_shape
 
 aten = torch.ops.aten
@@ -295,7 +296,7 @@ def _tri(keep: Callable[[Expr, Expr, int], Expr]):
 
 
 # -- reductions over the key dim, and the two contractions ------------------------------------
-def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Builder, Expr], Expr]) -> Sym | None:
+def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Builder, Expr, int], Expr]) -> Sym | None:
     s = b.sym(x)
     dims = [dims] if isinstance(dims, int) else list(dims)
     if len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
@@ -305,14 +306,15 @@ def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Bu
         head = idx[:-1] if keepdim else idx
         if any("n" in free_vars(i) for i in head):
             raise Unsupported("reduction over N read at a varying key position", node)
-        return combine(b, s(head + (b.n,)))
+        return combine(b, s(head + (b.n,)), s.shape[-1])
     return Sym(out_shape(node), "f", fn)
 
 
-def _softmax_parts(b: Builder, body: Expr) -> tuple[Expr, Expr]:
-    mx = b.add_reduction("max", body)
+def _softmax_parts(b: Builder, body: Expr, size: int) -> tuple[Expr, Expr, Expr]:
+    """Row max m, exp(x - m) and its row sum l of a softmax over ``size`` key positions."""
+    mx = b.add_reduction("max", body, size=size)
     e = call("exp", call("sub", body, mx))
-    return e, b.add_reduction("sum", e)
+    return mx, e, b.add_reduction("sum", e, size=size)
 
 
 def _softmax(b, node, x, dim, *_, **__):
@@ -321,10 +323,11 @@ def _softmax(b, node, x, dim, *_, **__):
         return b.decline(node, f"softmax over dim {dim}: only a softmax over the key (last) dim fuses")
 
     def fn(idx):
-        if idx[-1] != b.n:
-            raise Unsupported("softmax read at a key index other than the tile's", node)
-        e, l = _softmax_parts(b, s(idx))
-        return call("div_safe", e, l)    # a fully masked row gives 0, not NaN
+        if any("n" in free_vars(i) for i in idx[:-1]):
+            raise Unsupported("softmax read at a varying key position", node)
+        mx, _, l = _softmax_parts(b, s(idx[:-1] + (b.n,)), s.shape[-1])
+        # at the tile's key n this is the e of the sum; elsewhere (a sink column) its own value
+        return call("div_safe", call("exp", call("sub", s(idx), mx)), l)    # a fully masked row gives 0, not NaN
     return Sym(out_shape(node), "f", fn)
 
 
@@ -334,28 +337,49 @@ def _log_softmax(b, node, x, dim, *_, **__):
         return None
 
     def fn(idx):
-        body = s(idx[:-1] + (b.n,))
-        mx = b.add_reduction("max", body)
-        lse = call("add", call("log", b.add_reduction("sum", call("exp", call("sub", body, mx)))), mx)
+        mx, _, l = _softmax_parts(b, s(idx[:-1] + (b.n,)), s.shape[-1])
+        lse = call("add", call("log", l), mx)
         return call("sub", s(idx), lse)
     return Sym(out_shape(node), "f", fn)
 
 
 def _amax(b, node, x, dims=(), keepdim=False):
-    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body: bb.add_reduction("max", body))
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
 
 
 def _sum(b, node, x, dims=None, keepdim=False, *_, **__):
     if dims is None:
         return None
-    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body: bb.add_reduction("sum", body))
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("sum", body, size=size))
 
 
 def _logsumexp(b, node, x, dims, keepdim=False):
-    def combine(bb, body):
-        mx = bb.add_reduction("max", body)
-        return call("add", call("log", bb.add_reduction("sum", call("exp", call("sub", body, mx)))), mx)
+    def combine(bb, body, size):
+        mx, _, l = _softmax_parts(bb, body, size)
+        return call("add", call("log", l), mx)
     return _reduce_last(b, node, x, dims, keepdim, combine)
+
+
+def _cat(b, node, tensors, dim=0):
+    """``torch.cat([scores, column], -1)``: an attention sink's logit appended after the N keys
+    (gpt-oss). Read at the key index it is ``cat_n(score, column)``, so a softmax over it spans
+    N + 1 positions; read at position N it is the column. Other concatenations stay leaves."""
+    shape = out_shape(node)
+    if len(tensors) != 2 or _norm_dim(dim, len(shape)) != len(shape) - 1:
+        return None
+    if out_shape(tensors[0])[-1] != b.N or out_shape(tensors[1])[-1] != 1:
+        return b.decline(node, "torch.cat fuses only as one column appended after the N keys")
+    sa, se = b.sym(tensors[0]), b.sym(tensors[1])
+    kind, leaf = kind_of(meta(node).dtype), b.leaf(node)
+
+    def fn(idx):
+        column = coerce(se(idx[:-1] + (const(0),)), kind)
+        if idx[-1] == b.n:
+            return call("cat_n", coerce(sa(idx), kind), column)
+        if is_const(idx[-1], b.N):
+            return column
+        return leaf(idx)
+    return Sym(shape, kind, fn)
 
 
 def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym) -> Sym | None:
@@ -450,7 +474,7 @@ RULES.update({
     aten.permute: _permute, aten.transpose: _transpose, aten.t: _t, aten.mT: _mT,
     aten.unsqueeze: _unsqueeze, aten.squeeze: _squeeze, aten.expand: _expand,
     aten.expand_as: _expand, aten.view: _reshape, aten.reshape: _reshape, aten._unsafe_view: _reshape,
-    aten.slice: _slice, aten.select: _select, aten.repeat_interleave: _repeat_interleave,
+    aten.slice: _slice, aten.select: _select, aten.cat: _cat, aten.repeat_interleave: _repeat_interleave,
     aten.repeat: _repeat, aten.index: _index,
     # index generators
     aten.arange: _arange,
@@ -458,6 +482,8 @@ RULES.update({
     aten.full: _fill(lambda a, k: a[1]), aten.ones_like: _fill(lambda a, k: 1),
     aten.zeros_like: _fill(lambda a, k: 0), aten.full_like: _fill(lambda a, k: a[1]),
     aten.scalar_tensor: _fill(lambda a, k: a[0]),
+    aten.new_full: _fill(lambda a, k: a[2]), aten.new_ones: _fill(lambda a, k: 1),
+    aten.new_zeros: _fill(lambda a, k: 0),
     aten.tril: _tri(lambda i, j, d: call("le", call("sub", j, i), const(d))),
     aten.triu: _tri(lambda i, j, d: call("ge", call("sub", j, i), const(d))),
     # reductions over the key dim

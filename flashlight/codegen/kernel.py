@@ -89,6 +89,7 @@ class KernelWriter:
             init = NEG_INF if kind == "max" else "0.0"
             cols = "BLOCK_DV" if kind == "dot" else "1"
             out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
+        self.seed(members)
         loops = []      # bodies first: their hoisted invariants must precede every guard
         for guard, segs in self.segments(members):
             indent = "    " if guard else ""
@@ -107,6 +108,24 @@ class KernelWriter:
                 em.red_names[j] = f"r{j}_s"
             else:
                 em.red_names[j] = f"r{j}"
+
+    def seed(self, members: list[int]) -> None:
+        """Reductions with an ``extra`` element (a sink column) start from it: maxima first,
+        then the sums, which read the seeded maxima exactly as the loop's rescale expects."""
+        r, em, out = self.r, self.em, self.outer
+        seeded = [j for j in members if r.reductions[j].extra is not None]
+        if not seeded:
+            return
+        # a context of its own per pass: red(j) names the seeded max here, the loop's state later
+        row = Ctx(em.fresh("row"), vars={"m": "offs_m[:, None]"}, masks={"m": "mask_m[:, None]"})
+        for j in sorted(seeded, key=lambda j: r.reductions[j].kind != "max"):
+            val = em.emit(r.reductions[j].extra, row, out)
+            if r.reductions[j].kind == "max":
+                out.lines.append(f"r{j} = tl.maximum(r{j}, {val})")
+                out.lines.append(f"r{j}_0 = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
+                em.red_names[j] = f"r{j}_0"
+            else:
+                out.lines.append(f"r{j} = r{j} + {val}")
 
     def loop_body(self, members: list[int], loop: Block, full: bool) -> None:
         """One N block. ``full``: the block is inside N and every mask is proven to keep all of

@@ -111,11 +111,15 @@ class Evaluator:
         for r in self.region.reductions:
             body = self.full(self.ctx_s(r.body), self.ctx_s)
             if r.kind == "max":
-                self.reds.append(body.amax(-1, keepdim=True))
+                val = body.amax(-1, keepdim=True)
             elif r.kind == "sum":
-                self.reds.append(body.sum(-1, keepdim=True))
+                val = body.sum(-1, keepdim=True)
             else:
-                self.reds.append(body @ self.full(self.ctx_v(r.v), self.ctx_v))
+                val = body @ self.full(self.ctx_v(r.v), self.ctx_v)
+            if r.extra is not None:      # one more element (a sink column)
+                extra = self.ctx_s(r.extra).to(self.dtype).expand(val.shape)
+                val = torch.maximum(val, extra) if r.kind == "max" else val + extra
+            self.reds.append(val)
         out = self.ctx_o(self.region.out)
         return out.to(self.dtype).expand(self.ctx_o.shape)
 

@@ -11,6 +11,8 @@ A region computes, for every (b..., m)::
     dots        qk_i[b, m, n] = sum_dk Q_i[b, m, dk] * K_i[b, n, dk]
     reductions  r_j[b, m] = reduce_n body_j[b, m, n]          (max / sum)
                 r_j[b, m, dv] = sum_n body_j[b, m, n] * V_j[b, n, dv]   (kind "dot")
+                a max / sum may have a row ``extra``: one more element, max(r_j, extra_j) /
+                r_j + extra_j (an attention sink: a logit column appended after the N keys)
     out         out[b, m, dv] = out_expr(r..., loads)
 
 where every ``body_j`` may read the dots, loads, index vars and earlier reductions.
@@ -46,10 +48,16 @@ class Reduction:
     body: Expr              # over (b..., m, n)
     v: Expr | None = None   # over (b..., n, dv), for kind "dot"
     online: int | None = None   # index of the max reduction it is rescaled by (rewrite stage)
+    extra: Expr | None = None   # over (b..., m): one more element of a max / sum (a sink column)
 
     def __post_init__(self):
         assert self.kind in RED_KINDS
         assert (self.v is not None) == (self.kind == "dot")
+        assert self.extra is None or self.kind != "dot"
+
+    def reads(self) -> frozenset[int]:
+        """The reductions this one reads (in its body or its extra element)."""
+        return refs(self.body, "red") | (refs(self.extra, "red") if self.extra is not None else frozenset())
 
 
 @dataclass
@@ -75,7 +83,7 @@ class Region:
         """Group reductions into passes over N (see rewrite.assign_passes)."""
         level: list[int] = []
         for j, r in enumerate(self.reductions):
-            deps = refs(r.body, "red")
+            deps = r.reads()
             lv = 0
             for d in deps:
                 lv = max(lv, level[d] if r.online == d else level[d] + 1)
@@ -99,6 +107,7 @@ class Region:
         for j, r in enumerate(self.reductions):
             extra = f" v={fmt(r.v)}" if r.v is not None else ""
             on = f" online(red{r.online})" if r.online is not None else ""
+            extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)}")
         return "\n".join(lines)
@@ -133,6 +142,8 @@ def verify(region: Region) -> Region:
         check(r.body, b | {"m", "n"}, f"red{j}.body", j, True)
         if r.v is not None:
             check(r.v, b | {"n", "dv"}, f"red{j}.v", 0, False)
+        if r.extra is not None:
+            check(r.extra, b | {"m"}, f"red{j}.extra", j, False)
         if r.online is not None and region.reductions[r.online].kind != "max":
             raise VerifyError(f"red{j} is rescaled by red{r.online}, which is not a max")
     check(region.out, b | {"m", "dv"}, "out", len(region.reductions), False)
