@@ -3,8 +3,9 @@
 A candidate is every contraction ``P @ V`` (matmul, bmm, einsum). Its output tile (.., m, dv)
 is evaluated symbolically (``symbolic.py``); it is an attention region when that evaluation
 reaches at least one score contraction ``Q @ K^T`` through supported ops. The region grows
-downstream through pointwise epilogue ops of the same shape (gates, λ-mixing of two attention
-outputs), so several ``P @ V`` products that feed one expression fuse into one kernel.
+downstream through its epilogue (``epilogue.py``: gates, λ-mixing of two attention outputs,
+per-head norms, the transpose back to the model's layout), so several ``P @ V`` products that
+feed one expression fuse into one kernel.
 """
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ import torch
 import torch.fx as fx
 
 from ..ir import Input, Region, free_vars, refs
-from .symbolic import RULES, Builder, Unsupported, meta, static_shape
+from .epilogue import CONTRACTIONS, extend, packet
+from .symbolic import Builder, Unsupported, meta, static_shape
 
 aten = torch.ops.aten
-CONTRACTIONS = {aten.matmul, aten.bmm, aten.einsum}
 SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
-EPILOGUE_BLOCKLIST = {aten.sum, aten.amax, aten.softmax, aten._softmax, aten.logsumexp}
 
 
 @dataclass
@@ -42,10 +42,6 @@ class Fallback:
 
     def __str__(self) -> str:
         return f"{self.node} ({self.op}): {self.reason}" + (f"\n      at {self.source}" if self.source else "")
-
-
-def packet(node: fx.Node):
-    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
 
 
 def source_line(node: fx.Node) -> str:
@@ -82,20 +78,6 @@ def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int] | None:
     return shape[:-2], shape[-2], n, shape[-1]
 
 
-def _extend_epilogue(node: fx.Node) -> fx.Node:
-    """Follow single-user pointwise ops that keep the output shape (gates, mixing, casts)."""
-    shape = meta(node).shape
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        p = packet(user)
-        if p is None or p not in RULES or p in CONTRACTIONS or p in EPILOGUE_BLOCKLIST:
-            break
-        if meta(user) is None or meta(user).shape != shape:
-            break
-        node = user
-    return node
-
-
 def _is_attention(b: Builder) -> bool:
     """Scores normalised over keys, or keys that are per-sequence data. ``act(x @ W1) @ W2``
     (an MLP: keys are a weight shared by every batch element) is left to Inductor and cuBLAS."""
@@ -127,9 +109,11 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
     if geom is None:
         return None, None
     batch, M, N, DV = geom
-    root = _extend_epilogue(contraction)
     b = Builder(batch, M, N, DV)
-    out = b.sym(root)(b.bvars + (b.m, b.dv))
+    epi = extend(contraction, b.bvars + (b.m, b.dv))
+    b.epilogue = epi.nodes - {contraction}
+    root = epi.exit
+    out = b.sym(epi.value)(epi.index)
     if not b.dots or not any(r.kind == "dot" for r in b.reductions) or not refs(out, "red"):
         return None, b
     if not _is_attention(b):
@@ -139,8 +123,9 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
         inputs=[Input(n.name, static_shape(meta(n)), meta(n).dtype) for n in b.inputs],
         dots=list(b.dots), reductions=list(b.reductions), out=out,
         out_dtype=meta(root).dtype, source=source_line(contraction),
+        out_shape=None if epi.store is None else static_shape(meta(root)), out_index=epi.store,
     )
-    return Match(root, region, list(b.inputs), b.inner | {root}), b
+    return Match(root, region, list(b.inputs), b.inner | epi.nodes), b
 
 
 def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:

@@ -179,38 +179,42 @@ def _select(b, node, x, dim, index):
     return view(b, node, x, lambda idx: idx[:dim] + (const(index),) + idx[dim:])
 
 
-def _reshape(b, node, x, *_, **__):
-    """General reshape as index arithmetic: group dims whose products match, then for each group
-    linearise the output index and unflatten it into the input dims."""
-    in_shape, shape = b.sym(x).shape, out_shape(node)
-    ins = [i for i, s in enumerate(in_shape) if s != 1]
-    outs = [i for i, s in enumerate(shape) if s != 1]
-    groups, gi, go = [], [], []
-    pi = po = 1
-    while ins or outs:
-        if pi <= po and ins:
-            gi.append(ins.pop(0)); pi *= in_shape[gi[-1]]
+def relinearize(idx: Idx, src: tuple[int, ...], dst: tuple[int, ...], node=None) -> Idx:
+    """The index into ``dst`` of element ``idx`` of ``src`` at the same row-major position (a
+    reshape): group dims whose products match, linearise each group of ``src`` dims and unflatten
+    it into the group's ``dst`` dims."""
+    srcs = [i for i, s in enumerate(src) if s != 1]
+    dsts = [i for i, s in enumerate(dst) if s != 1]
+    groups, gd, gs = [], [], []
+    pd = ps = 1
+    while dsts or srcs:
+        if pd <= ps and dsts:
+            gd.append(dsts.pop(0)); pd *= dst[gd[-1]]
         else:
-            go.append(outs.pop(0)); po *= shape[go[-1]]
-        if pi == po:
-            groups.append((gi, go)); gi, go, pi, po = [], [], 1, 1
-    if gi or go:
-        raise Unsupported(f"reshape {in_shape} -> {shape}", node)
+            gs.append(srcs.pop(0)); ps *= src[gs[-1]]
+        if pd == ps:
+            groups.append((gd, gs)); gd, gs, pd, ps = [], [], 1, 1
+    if gd or gs:
+        raise Unsupported(f"reshape {src} -> {dst}", node)
+    res = [const(0)] * len(dst)
+    for g_dst, g_src in groups:
+        lin, stride = const(0), 1
+        for o in reversed(g_src):
+            lin = idx[o] * stride + lin
+            stride *= src[o]
+        inner = stride
+        for t, i in enumerate(g_dst):
+            inner //= dst[i]
+            e = lin // inner
+            res[i] = e if t == 0 else e % dst[i]
+    return tuple(res)
 
-    def remap(idx):
-        res = [const(0)] * len(in_shape)
-        for g_in, g_out in groups:
-            lin, stride = const(0), 1
-            for o in reversed(g_out):
-                lin = idx[o] * stride + lin
-                stride *= shape[o]
-            inner = stride
-            for t, i in enumerate(g_in):
-                inner //= in_shape[i]
-                e = lin // inner
-                res[i] = e if t == 0 else e % in_shape[i]
-        return tuple(res)
-    return view(b, node, x, remap)
+
+def _reshape(b, node, x, *_, **__):
+    """General reshape as index arithmetic (``relinearize``)."""
+    in_shape, shape = b.sym(x).shape, out_shape(node)
+    relinearize(tuple(const(0) for _ in shape), shape, in_shape, node)     # unsupported: raise now
+    return view(b, node, x, lambda idx: relinearize(idx, shape, in_shape, node))
 
 
 def _split_item(b, node, parent, i):
@@ -347,10 +351,28 @@ def _amax(b, node, x, dims=(), keepdim=False):
     return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
 
 
+def _sum_dv(b: Builder, node, x, scale: float) -> Sym:
+    """A sum over the output's head dim in the epilogue (capture/epilogue.py checked: the last
+    dim, keepdim): a row value of the output tile."""
+    s = b.sym(x)
+    return Sym(out_shape(node), "f", lambda idx: call("mul", call("sum_dv", s(idx[:-1] + (b.dv,))), const(scale)))
+
+
 def _sum(b, node, x, dims=None, keepdim=False, *_, **__):
     if dims is None:
         return None
+    if node in b.epilogue:
+        return _sum_dv(b, node, x, 1.0)
     return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("sum", body, size=size))
+
+
+def _mean(b, node, x, dims=None, keepdim=False, *_, **__):
+    if dims is None:
+        return None
+    if node in b.epilogue:
+        return _sum_dv(b, node, x, 1.0 / b.DV)
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: call(
+        "div", bb.add_reduction("sum", body, size=size), const(float(size))))
 
 
 def _logsumexp(b, node, x, dims, keepdim=False):
@@ -489,7 +511,7 @@ RULES.update({
     # reductions over the key dim
     aten.softmax: _softmax, aten._softmax: _softmax, aten._safe_softmax: _softmax,
     aten.log_softmax: _log_softmax, aten._log_softmax: _log_softmax,
-    aten.amax: _amax, aten.sum: _sum, aten.logsumexp: _logsumexp,
+    aten.amax: _amax, aten.sum: _sum, aten.mean: _mean, aten.logsumexp: _logsumexp,
     # contractions
     aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum,
 })

@@ -94,6 +94,7 @@ class Builder:
         self.inner: set[fx.Node] = set()     # nodes evaluated through a rule
         self.leaves: set[fx.Node] = set()
         self.declined: dict[fx.Node, str] = {}   # why a rule left a node as a leaf
+        self.epilogue: set[fx.Node] = set()      # nodes after P @ V: their sums run over dv
 
     # -- operands ---------------------------------------------------------------------------
     def sym(self, arg) -> Sym:

@@ -219,7 +219,7 @@ class KernelWriter:
             args += [f"in{i}_s{d}" for d in range(len(x.shape))]
         nb = len(self.r.batch)
         args.append("out_ptr")
-        args += [f"out_s{d}" for d in range(nb + 2)]
+        args += [f"out_s{d}" for d in range(len(self.r.result_shape))]
         for k, st in enumerate(self.stats):
             args += [f"aux{k}_min", f"aux{k}_max"]
             args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
@@ -256,8 +256,12 @@ class KernelWriter:
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
         val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
-        offs = [f"b{d} * out_s{d}" for d in range(nb)]
-        offs += [f"offs_m[:, None] * out_s{nb}", f"offs_dv[None, :] * out_s{nb + 1}"]
+        if r.out_index is None:
+            offs = [f"b{d} * out_s{d}" for d in range(nb)]
+            offs += [f"offs_m[:, None] * out_s{nb}", f"offs_dv[None, :] * out_s{nb + 1}"]
+        else:     # a permuted / reshaped output: the store index comes from the epilogue's views
+            offs = [f"{self.em.emit(i, CTX_O, out)} * out_s{d}" for d, i in enumerate(r.out_index)
+                    if not (i.op == "const" and i.args[0] == 0)]
         out.lines.append(f"tl.store(out_ptr + {' + '.join(offs)}, {val}.to(out_ptr.dtype.element_ty), "
                          f"mask=mask_m[:, None] & mask_dv[None, :])")
         body = "\n".join("    " + line for line in out.lines)

@@ -74,6 +74,15 @@ class Region:
     out_dtype: torch.dtype
     source: str = ""                # the user's source line(s), for explain()
     features: set[str] = field(default_factory=set)
+    # The epilogue may end in permutes / reshapes of the (b..., m, dv) tile (Evoformer's output
+    # transposed back to [B, S, R, H, C]): the output tensor's shape, and where tile element
+    # (b..., m, dv) is stored in it. None: the tile's own layout.
+    out_shape: tuple[int, ...] | None = None
+    out_index: tuple[Expr, ...] | None = None
+
+    @property
+    def result_shape(self) -> tuple[int, ...]:
+        return self.out_shape if self.out_shape is not None else (*self.batch, self.M, self.DV)
 
     @property
     def batch_vars(self) -> tuple[str, ...]:
@@ -110,6 +119,9 @@ class Region:
             extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)}")
+        if self.out_index is not None:
+            shape = self.out_shape if sizes else f"rank {len(self.out_shape)}"
+            lines.append(f"  store [{', '.join(fmt(i) for i in self.out_index)}] of {shape}")
         return "\n".join(lines)
 
 
@@ -134,6 +146,8 @@ def verify(region: Region) -> Region:
                 raise VerifyError(f"{what} reads red{x.args[0]} before it is computed")
             if x.op == "dot" and (not dots or x.args[0] >= len(region.dots)):
                 raise VerifyError(f"{what} reads {fmt(x)} outside the score context")
+            if x.op == "sum_dv" and what != "out":
+                raise VerifyError(f"{what} sums over dv outside the output tile: {fmt(x)}")
 
     for i, d in enumerate(region.dots):
         check(d.q, b | {"m", "dk"}, f"dot{i}.q", 0, False)
@@ -147,4 +161,9 @@ def verify(region: Region) -> Region:
         if r.online is not None and region.reductions[r.online].kind != "max":
             raise VerifyError(f"red{j} is rescaled by red{r.online}, which is not a max")
     check(region.out, b | {"m", "dv"}, "out", len(region.reductions), False)
+    if region.out_index is not None:
+        if len(region.out_index) != len(region.out_shape):
+            raise VerifyError(f"store index of rank {len(region.out_index)} into {region.out_shape}")
+        for d, i in enumerate(region.out_index):
+            check(i, b | {"m", "dv"}, f"store index {d}", 0, False)
     return region
