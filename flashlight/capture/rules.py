@@ -3,6 +3,7 @@ signature). Views compose index maps, pointwise ops combine broadcast operands, 
 become index arithmetic, reductions over the key dim and contractions register themselves."""
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from typing import Callable
@@ -358,11 +359,47 @@ def _sum_dv(b: Builder, node, x, scale: float) -> Sym:
     return Sym(out_shape(node), "f", lambda idx: call("mul", call("sum_dv", s(idx[:-1] + (b.dv,))), const(scale)))
 
 
+UNROLL = 64     # most terms a sum over small dims other than the key axis is unrolled into
+
+
+def _over_keys(b: Builder, x, dims) -> bool:
+    """A reduction over the key axis: the last dim alone, N long (N + 1 with a sink column)."""
+    shape = out_shape(x)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return len(dims) == 1 and _norm_dim(dims[0], len(shape)) == len(shape) - 1 and shape[-1] in (b.N, b.N + 1)
+
+
+def _unrolled_sum(b: Builder, node, x, dims, keepdim: bool, scale: float) -> Sym | None:
+    """A sum over small dims that are not the key axis (IPA's point and xyz dims of squared
+    distances), unrolled into the scalar expression: exact, and no score-sized tensor."""
+    s = b.sym(x)
+    rank = len(s.shape)
+    dims = sorted({_norm_dim(d, rank) for d in ([dims] if isinstance(dims, int) else dims)})
+    sizes = [s.shape[d] for d in dims]
+    if math.prod(sizes) > UNROLL:
+        return b.decline(node, f"sum over dims {dims} of sizes {sizes}: neither the key axis nor small")
+
+    def fn(idx):
+        kept = [i for d, i in enumerate(idx) if not (keepdim and d in dims)]
+        total = None
+        for point in itertools.product(*(range(n) for n in sizes)):
+            at, rest, fixed = [], iter(kept), dict(zip(dims, point))
+            for d in range(rank):
+                at.append(const(fixed[d]) if d in fixed else next(rest))
+            term = s(tuple(at))
+            total = term if total is None else call("add", total, term)
+        total = coerce(total, "f")
+        return total if scale == 1.0 else call("mul", total, const(scale))
+    return Sym(out_shape(node), "f", fn)
+
+
 def _sum(b, node, x, dims=None, keepdim=False, *_, **__):
     if dims is None:
         return None
     if node in b.epilogue:
         return _sum_dv(b, node, x, 1.0)
+    if not _over_keys(b, x, dims):
+        return _unrolled_sum(b, node, x, dims, keepdim, 1.0)
     return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("sum", body, size=size))
 
 
@@ -371,6 +408,10 @@ def _mean(b, node, x, dims=None, keepdim=False, *_, **__):
         return None
     if node in b.epilogue:
         return _sum_dv(b, node, x, 1.0 / b.DV)
+    if not _over_keys(b, x, dims):
+        shape = out_shape(x)
+        count = math.prod(shape[_norm_dim(d, len(shape))] for d in ([dims] if isinstance(dims, int) else dims))
+        return _unrolled_sum(b, node, x, dims, keepdim, 1.0 / count)
     return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: call(
         "div", bb.add_reduction("sum", body, size=size), const(float(size))))
 
