@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flashlight.examples import sinks, sinks_sliding_window
+from flashlight.testing import reference, rel_error
 from helpers import check_fused, check_grads
 
 B, H, M, N, D = 1, 2, 37, 70, 16
@@ -67,3 +68,44 @@ def test_other_concatenations_stay_unfused_leaves():
     q, k, v = (torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D))
     _, report = check_fused(attention, q, k, v)
     assert "sink" not in report.regions[0].features
+
+
+def _gpt_oss_sdpa(Q, K, V, S, sm_scale=0.25, sliding_window=8):
+    """gpt-oss's reference ``sdpa`` verbatim (github.com/openai/gpt-oss, gpt_oss/torch/model.py):
+    GQA layout [T, H_kv, G, D], einsums with a permuted output, in-place score updates."""
+    n_tokens, n_heads, q_mult, d_head = Q.shape
+    assert K.shape == (n_tokens, n_heads, d_head)
+    assert V.shape == (n_tokens, n_heads, d_head)
+    K = K[:, :, None, :].expand(-1, -1, q_mult, -1)
+    V = V[:, :, None, :].expand(-1, -1, q_mult, -1)
+    S = S.reshape(n_heads, q_mult, 1, 1).expand(-1, -1, n_tokens, -1)
+    mask = torch.triu(Q.new_full((n_tokens, n_tokens), -float("inf")), diagonal=1)
+    if sliding_window > 0:
+        mask += torch.tril(mask.new_full((n_tokens, n_tokens), -float("inf")), diagonal=-sliding_window)
+    QK = torch.einsum("qhmd,khmd->hmqk", Q, K)
+    QK *= sm_scale
+    QK += mask[None, None, :, :]
+    QK = torch.cat([QK, S], dim=-1)
+    W = torch.softmax(QK, dim=-1)
+    W = W[..., :-1]
+    attn = torch.einsum("hmqk,khmd->qhmd", W, V)
+    return attn.reshape(n_tokens, -1)
+
+
+def test_gpt_oss_sdpa_verbatim_is_one_kernel():
+    T, Hkv, G, Dh = 37, 2, 2, 16
+    args = (torch.randn(T, Hkv, G, Dh), torch.randn(T, Hkv, Dh), torch.randn(T, Hkv, Dh), torch.randn(Hkv * G))
+    _, report = check_fused(_gpt_oss_sdpa, *args)      # no score-sized in-place update left behind
+    assert {"sink", "gqa", "permuted-store", "block-sparse"} <= set(report.regions[0].features)
+
+
+def test_inplace_update_of_a_tensor_read_later_stays_outside():
+    """``s *= c`` where s is returned too: the update is visible outside, so Inductor does it."""
+    def attention(q, k, v):
+        s = q @ k.mT
+        s *= 0.25
+        return torch.softmax(s, -1) @ v, s
+    q, k, v = torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    got = torch.compile(attention, backend="flashlight")(q, k, v)
+    for i in range(2):
+        assert rel_error(got[i], reference(lambda *a: attention(*a)[i], q, k, v)) < 1e-5

@@ -74,9 +74,9 @@ def _permuted(node: fx.Node, idx: tuple) -> tuple | None:
 
 
 class _Grower:
-    def __init__(self, root: fx.Node, tile: tuple[Expr, ...]):
-        self.root, self.desc = root, _descendants(root)
-        self.maps: dict[fx.Node, tuple] = {root: tile}      # full nodes -> index map
+    def __init__(self, root: fx.Node, index: tuple[Expr, ...], tile: tuple[Expr, ...]):
+        self.root, self.desc, self.tile = root, _descendants(root), tile
+        self.maps: dict[fx.Node, tuple] = {root: index}      # full nodes -> index map
         self.rows: set[fx.Node] = set()
         self.reshaped: set[fx.Node] = set()                # full nodes at or after a reshape
         self.order: list[fx.Node] = [root]
@@ -146,8 +146,8 @@ class _Grower:
             value = exit
             while packet(value) in RESHAPES:      # nothing but reshapes follows a reshape
                 value = value.args[0]
-            store = None if self.maps[exit] == self.maps[self.root] and meta(exit).shape == meta(self.root).shape \
-                else self.maps[exit]
+            natural = self.maps[exit] == self.tile and meta(exit).dim() == len(self.tile)
+            store = None if natural else self.maps[exit]
             return Epilogue(exit, value, self.maps[value], store, nodes)
         raise AssertionError("the root alone is always a valid epilogue")
 
@@ -161,8 +161,9 @@ class _Grower:
         return nodes
 
 
-def extend(root: fx.Node, tile: tuple[Expr, ...]) -> Epilogue:
-    """The epilogue below contraction ``root``, whose output tile is indexed by ``tile``."""
-    g = _Grower(root, tile)
+def extend(root: fx.Node, index: tuple[Expr, ...], tile: tuple[Expr, ...]) -> Epilogue:
+    """The epilogue below contraction ``root``; ``index`` is root's index of tile element
+    ``tile`` = (b..., m, dv) (a permutation of it for an einsum with permuted output letters)."""
+    g = _Grower(root, index, tile)
     g.grow()
     return g.best()

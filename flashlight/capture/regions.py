@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..ir import Input, Region, free_vars, refs
 from .epilogue import CONTRACTIONS, extend, packet
+from .rules import einsum_letters, permute_back
 from .symbolic import Builder, Unsupported, meta, static_shape
 
 aten = torch.ops.aten
@@ -60,22 +61,24 @@ def _operands(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.args[:2] if isinstance(a, fx.Node)]
 
 
-def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int] | None:
-    """(batch, M, N, DV) of a candidate ``P @ V``, or None if it is not shaped like one."""
+def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int, tuple[int, ...]] | None:
+    """(batch, M, N, DV, order) of a candidate ``P @ V``, or None if it is not shaped like one;
+    ``order`` lists the node's dim of each (batch..., m, dv) dim (an einsum may permute them)."""
     ops = _operands(node)
     if len(ops) != 2 or meta(node) is None or meta(node).dim() < 2:
         return None
     shape = static_shape(meta(node))
+    order = tuple(range(len(shape)))
     if packet(node) == aten.einsum:
-        lhs, out = node.args[0].replace(" ", "").split("->")
-        a, c = lhs.split(",")
-        summed = [ch for ch in a if ch in c and ch not in out]
-        if len(summed) != 1:
+        letters = einsum_letters(node.args[0])
+        if letters is None:
             return None
-        n = static_shape(meta(ops[0]))[a.index(summed[0])]
+        a, _, summed, _, order = letters
+        n = static_shape(meta(ops[0]))[a.index(summed)]
+        shape = tuple(shape[o] for o in order)
     else:
         n = static_shape(meta(ops[0]))[-1]
-    return shape[:-2], shape[-2], n, shape[-1]
+    return shape[:-2], shape[-2], n, shape[-1], order
 
 
 def _is_attention(b: Builder) -> bool:
@@ -108,9 +111,10 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
     geom = _geometry(contraction)
     if geom is None:
         return None, None
-    batch, M, N, DV = geom
+    batch, M, N, DV, order = geom
     b = Builder(batch, M, N, DV)
-    epi = extend(contraction, b.bvars + (b.m, b.dv))
+    tile = b.bvars + (b.m, b.dv)
+    epi = extend(contraction, permute_back(tile, order), tile)
     b.epilogue = epi.nodes - {contraction}
     root = epi.exit
     out = b.sym(epi.value)(epi.index)

@@ -445,13 +445,16 @@ def _cat(b, node, tensors, dim=0):
     return Sym(shape, kind, fn)
 
 
-def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym) -> Sym | None:
+def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, ...] | None = None) -> Sym | None:
     """``x @ y`` with matmul broadcasting. At a score tile (.., m, n) it is a dot of the region;
     at an output tile (.., m, dv) with a score-like left operand it is a reduction over N;
-    anywhere else it is a leaf computed outside the kernel."""
+    anywhere else it is a leaf computed outside the kernel. ``order``: which of the node's dims
+    holds each dim of the (batch..., rows, cols) product (an einsum with permuted output letters)."""
     if len(sx.shape) < 2 or len(sy.shape) < 2:
         return None
-    shape = out_shape(node)
+    own = out_shape(node)
+    order = order or tuple(range(len(own)))
+    shape = tuple(own[o] for o in order)
     leaf = b.leaf(node)
     bshape = shape[:-2]
 
@@ -466,39 +469,89 @@ def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym) -> Sym | None:
             body = sx(ax + (b.m, b.n))
             if refs(body, "dot"):
                 return b.add_reduction("dot", body, sy(ay + (b.n, b.dv)))
-        return leaf(idx)
-    return Sym(shape, "f", fn)
+        return leaf(permute_back(idx, order))
+    return Sym(own, "f", lambda idx: fn(tuple(idx[o] for o in order)))
+
+
+def permute_back(idx: Idx, order: tuple[int, ...]) -> Idx:
+    """The node's index of element ``idx`` of its (batch..., rows, cols) order."""
+    res = [None] * len(idx)
+    for i, o in enumerate(order):
+        res[o] = idx[i]
+    return tuple(res)
 
 
 def _matmul(b, node, x, y):
     return contraction(b, node, b.sym(x), b.sym(y))
 
 
-def _einsum(b, node, equation, operands):
-    """Two-operand einsum with one contracted letter, normalised to a batched matmul."""
-    if len(operands) != 2 or "..." in equation:
+def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] | None:
+    """(a, c, contracted, rows + cols order, ``order``) of a two-operand einsum with one
+    contracted letter, one output letter only in ``a`` (rows) and one only in ``c`` (cols):
+    the product in (batch..., rows, cols) order, which the output may permute."""
+    if "..." in equation or "->" not in equation:
         return None
     lhs, out = equation.replace(" ", "").split("->")
+    if lhs.count(",") != 1:
+        return None
     a, c = lhs.split(",")
     contracted = [ch for ch in a if ch in c and ch not in out]
-    if len(contracted) != 1 or len(out) < 2 or any(ch not in a + c for ch in out):
+    rows = [ch for ch in out if ch in a and ch not in c]
+    cols = [ch for ch in out if ch in c and ch not in a]
+    if len(contracted) != 1 or len(rows) != 1 or len(cols) != 1 or any(ch not in a + c for ch in out):
         return None
-    kk, mm, nn = contracted[0], out[-2], out[-1]
-    if mm not in a or nn not in c or mm in c or nn in a:
+    natural = "".join(ch for ch in out if ch not in rows + cols) + rows[0] + cols[0]
+    return a, c, contracted[0], natural, tuple(out.index(ch) for ch in natural)
+
+
+def _einsum(b, node, equation, operands):
+    """Two-operand einsum with one contracted letter, normalised to a batched matmul."""
+    letters = einsum_letters(equation) if len(operands) == 2 else None
+    if letters is None:
         return None
-    batch = out[:-2]
+    a, c, kk, natural, order = letters
+    batch, mm, nn = natural[:-2], natural[-2], natural[-1]
     sa, sc = b.sym(operands[0]), b.sym(operands[1])
     sizes = dict(zip(a, sa.shape)) | dict(zip(c, sc.shape))
 
-    def norm(s: Sym, letters: str, order: str) -> Sym:
-        # view the operand as (batch..., order[0], order[1]); batch letters it lacks broadcast
-        full = batch + order
+    def norm(s: Sym, letters: str, pair: str) -> Sym:
+        # view the operand as (batch..., pair[0], pair[1]); batch letters it lacks broadcast
+        full = batch + pair
         if any(ch not in full for ch in letters):
             raise Unsupported(f"einsum {equation}: a letter is summed out", node)
         return Sym(tuple(sizes[ch] if ch in letters else 1 for ch in full), s.kind,
                    lambda idx: s(tuple(idx[full.index(ch)] for ch in letters)))
 
-    return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn))
+    return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn), order)
+
+
+# In-place updates of scores (gpt-oss: ``QK *= sm_scale; QK += mask``): the out-of-place op, when
+# the updated tensor is a fresh intermediate that nothing reads after the update.
+INPLACE = {aten.add_: aten.add, aten.sub_: aten.sub, aten.mul_: aten.mul, aten.div_: aten.div,
+           aten.masked_fill_: aten.masked_fill}
+ALIASING = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.mT,
+            aten.unsqueeze, aten.squeeze, aten.expand, aten.expand_as, aten.slice, aten.select,
+            aten.alias, aten.detach, aten.contiguous, aten.to, aten.type_as}
+
+
+def _private(x, node: fx.Node) -> bool:
+    """``x`` owns its memory (not an input, not a view of another tensor; an in-place chain is
+    followed to its base) and no node after ``node`` reads it."""
+    if not isinstance(x, fx.Node) or x.op != "call_function":
+        return False
+    p = getattr(x.target, "overloadpacket", None)
+    if p not in RULES or (p in ALIASING) or (p in INPLACE and not _private(x.args[0], node)):
+        return False
+    position = {n: i for i, n in enumerate(node.graph.nodes)}
+    return all(position[u] <= position[node] for u in x.users)
+
+
+def _inplace(op):
+    def rule(b, node, x, *args, **kwargs):
+        if not _private(x, node):
+            return b.decline(node, f"{node.target} updates a tensor that is an input, a view, or read later")
+        return RULES[op](b, node, x, *args, **kwargs)
+    return rule
 
 
 def _bool_only(rule):
@@ -557,3 +610,4 @@ RULES.update({
     aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum,
 })
 RULES[operator.getitem] = _split_item
+RULES.update({inplace: _inplace(op) for inplace, op in INPLACE.items()})
