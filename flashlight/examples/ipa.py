@@ -22,9 +22,11 @@ def make_inputs(B=2, H=4, M=128, N=None, D=64, dtype=torch.float32, device="cpu"
     q = torch.randn(B, H, M, D, dtype=dtype, device=device)
     k = torch.randn(B, H, N, D, dtype=dtype, device=device)
     v = torch.randn(B, H, N, D, dtype=dtype, device=device)
-    # points in the global frame at protein scale: ~N(0, 10²) Å, so |x|² ~ 300 per point
+    # points in the global frame at protein scale: ~N(0, 10²) Å, so |x|² ~ 300 per point; each
+    # key's points lie within a few Å of one query's. Head weights γ = softplus(w) ~ 0.02 keep the
+    # distance logits O(1) (a trained model's scale), so the softmax is not one-hot.
     q_pts = 10 * torch.randn(B, H, M, P, 3, dtype=dtype, device=device)
-    k_pts = q_pts[:, :, torch.arange(N, device=device) % M] + torch.randn(B, H, N, P, 3, dtype=dtype, device=device)
+    k_pts = q_pts[:, :, torch.arange(N, device=device) % M] + 3 * torch.randn(B, H, N, P, 3, dtype=dtype, device=device)
     pair_bias = torch.randn(B, M, N, H, dtype=dtype, device=device)
-    head_weights = torch.randn(H, dtype=dtype, device=device)
+    head_weights = -4 + 0.5 * torch.randn(H, dtype=dtype, device=device)
     return q, k, v, q_pts, k_pts, pair_bias, head_weights
