@@ -69,6 +69,7 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
     aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
     report.fallbacks += fallbacks
+    fused: set[fx.Node] = set()     # nodes a region computes (in-place updates among them)
     for m in matches:
         try:
             compiled = lower(m.region, max_autotune)
@@ -77,10 +78,12 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
             continue
         replace(aten_gm.graph, m, compiled.key)
         report.regions.append(compiled)
+        fused |= m.inner
     if not report.regions:
         report.graph = gm
         return gm, report
-    aten_gm.graph.eliminate_dead_code()
+    # an in-place update the region captured only wrote a private intermediate: dead like the rest
+    aten_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() and n not in fused)
     aten_gm.recompile()
     _debug("replace", aten_gm.code)
     report.graph = aten_gm

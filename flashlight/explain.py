@@ -38,10 +38,16 @@ def features(region: Region) -> list[str]:
         feats.add("online-softmax")
     if len(region.passes()) > 1:
         feats.add(f"{len(region.passes())}-pass")
+    if any(r.extra is not None for r in region.reductions):
+        feats.add("sink")
     if len(region.dots) > 1:
         feats.add(f"{len(region.dots)}-scores")
     if refs(region.out, "load"):
         feats.add("epilogue")
+    if any(x.op == "sum_dv" for x in walk(region.out)):
+        feats.add("epilogue-norm")
+    if region.out_index is not None:
+        feats.add("permuted-store")
     from .sparsity import dead_predicate, useful
     if any(useful(dead_predicate(region, p)) for p in region.passes()):
         feats.add("block-sparse")

@@ -52,3 +52,19 @@ def test_python_floor_semantics_for_negative_index_arithmetic():
     q, k, v = torch.randn(1, 17, 16), torch.randn(1, 23, 16), torch.randn(1, 23, 16)
     got, ref = run_both(r, q, k, v)
     assert rel_error(got, ref) < 1e-5
+
+
+def test_extra_element_seeds_a_later_pass():
+    """A sum with a sink element that cannot run online (its max has none) is seeded at the start
+    of its own pass, from the final max."""
+    from flashlight.ir import Input, load
+    r = softmax_region(B=2, M=19, N=41, D=16)
+    r.inputs.append(Input("sink", (2,), torch.float32))
+    s = call("mul", dot(0), const(0.5))
+    sink = load(3, (var("b0"),), "f")
+    r.reductions[1] = Reduction("sum", call("exp", call("sub", s, red(0))),
+                                extra=call("exp", call("sub", sink, red(0))))
+    q, k, v, e = torch.randn(2, 19, 16), torch.randn(2, 41, 16), torch.randn(2, 41, 16), torch.randn(2)
+    got, ref = run_both(r, q, k, v, e)
+    assert rel_error(got, ref) < 1e-5
+    assert "# pass 1" in compile_region(rewrite(r)).source

@@ -54,3 +54,25 @@ def test_verifier_rejects_bad_scoping():
 def test_passes_follow_dependencies():
     r = softmax_region()
     assert r.passes() == [[0], [1, 2]]          # not yet online: a second pass over N
+
+
+def test_sum_dv_binds_dv_and_is_only_allowed_in_out():
+    x = call("mul", load(2, (b0, m, dv), "f"), load(2, (b0, m, dv), "f"))
+    assert free_vars(call("sum_dv", x)) == {"b0", "m"}
+    r = softmax_region()
+    r.reductions[1] = Reduction("sum", call("sum_dv", x))
+    with pytest.raises(VerifyError, match="sums over dv"):
+        verify(r)
+
+
+def test_evaluator_norm_epilogue_and_permuted_store():
+    """out = o * rsqrt(mean_dv(o^2)), stored transposed into a (M, B, DV) tensor."""
+    r = softmax_region()
+    o = r.out
+    r.out = call("mul", o, call("rsqrt", call("mul", call("sum_dv", call("mul", o, o)), const(0.25))))
+    r.out_shape, r.out_index = (5, 2, 4), (m, b0, dv)
+    r = verify(r)
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    att = torch.softmax(q @ k.mT * 0.5, -1) @ v
+    ref = (att * torch.rsqrt(att.pow(2).mean(-1, keepdim=True))).transpose(0, 1)
+    assert torch.allclose(evaluate(r, [q, k, v]), ref, atol=1e-5)

@@ -48,3 +48,39 @@ def test_non_online_reduction_gets_second_pass():
     r = rewrite(r)
     assert r.reductions[1].online is None
     assert r.passes() == [[0, 2], [1]]
+
+
+def test_split_concat_turns_the_appended_column_into_an_extra_element():
+    """softmax(cat([s, e], -1))[..., :N] @ v: the max and the sum span N + 1 positions."""
+    from flashlight.ir import Input, load
+    from flashlight.rewrite import split_concat
+    r = softmax_region()
+    r.inputs.append(Input("sink", (2,), torch.float32))
+    s = call("mul", dot(0), const(0.5))
+    col = call("cat_n", s, load(3, (var("b0"),), "f"))
+    e = call("exp", call("sub", col, red(0)))
+    r.reductions = [Reduction("max", col), Reduction("sum", e),
+                    Reduction("dot", call("exp", call("sub", s, red(0))), r.reductions[2].v)]
+    r2 = split_concat(r)
+    assert [x.extra for x in r2.reductions] == [load(3, (var("b0"),), "f"),
+                                                call("exp", call("sub", load(3, (var("b0"),), "f"), red(0))), None]
+    assert "cat_n" not in str(r2) and split_concat(r2) is None
+    q, k, v, sink = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4), torch.randn(2)
+    scores = torch.cat([q @ k.mT * 0.5, sink[:, None, None].expand(2, 5, 1)], -1)
+    ref = torch.softmax(scores, -1)[..., :-1] @ v
+    assert torch.allclose(evaluate(rewrite(r), [q, k, v, sink]), ref, atol=1e-6)
+    assert rewrite(r).passes() == [[0, 1, 2]]      # the sink seeds the state: still one pass
+
+
+def test_online_declines_an_extra_whose_max_is_not_seeded():
+    """sum(exp(cat(s, e) - max_keys(s))): the max has no extra, so the seeded sum would be lost
+    by the first rescale; the sum waits for a second pass instead."""
+    from flashlight.ir import Input, load
+    r = softmax_region()
+    r.inputs.append(Input("sink", (2,), torch.float32))
+    s = call("mul", dot(0), const(0.5))
+    sink = load(3, (var("b0"),), "f")
+    r.reductions[1] = Reduction("sum", call("exp", call("sub", s, red(0))),
+                                extra=call("exp", call("sub", sink, red(0))))
+    r = rewrite(r)
+    assert r.reductions[1].online is None and r.passes() == [[0, 2], [1]]

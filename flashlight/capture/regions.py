@@ -3,8 +3,9 @@
 A candidate is every contraction ``P @ V`` (matmul, bmm, einsum). Its output tile (.., m, dv)
 is evaluated symbolically (``symbolic.py``); it is an attention region when that evaluation
 reaches at least one score contraction ``Q @ K^T`` through supported ops. The region grows
-downstream through pointwise epilogue ops of the same shape (gates, λ-mixing of two attention
-outputs), so several ``P @ V`` products that feed one expression fuse into one kernel.
+downstream through its epilogue (``epilogue.py``: gates, λ-mixing of two attention outputs,
+per-head norms, the transpose back to the model's layout), so several ``P @ V`` products that
+feed one expression fuse into one kernel.
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import torch
 import torch.fx as fx
 
 from ..ir import Input, Region, free_vars, refs
-from .symbolic import RULES, Builder, Unsupported, meta, static_shape
+from .epilogue import CONTRACTIONS, extend, packet
+from .rules import einsum_letters, permute_back
+from .symbolic import Builder, Unsupported, meta, static_shape
 
 aten = torch.ops.aten
-CONTRACTIONS = {aten.matmul, aten.bmm, aten.einsum}
 SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
-EPILOGUE_BLOCKLIST = {aten.sum, aten.amax, aten.softmax, aten._softmax, aten.logsumexp}
 
 
 @dataclass
@@ -44,10 +45,6 @@ class Fallback:
         return f"{self.node} ({self.op}): {self.reason}" + (f"\n      at {self.source}" if self.source else "")
 
 
-def packet(node: fx.Node):
-    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
-
-
 def source_line(node: fx.Node) -> str:
     """'file.py:12: code' of the innermost user frame in the node's stack trace."""
     st = node.meta.get("stack_trace") or ""
@@ -64,36 +61,24 @@ def _operands(node: fx.Node) -> list[fx.Node]:
     return [a for a in node.args[:2] if isinstance(a, fx.Node)]
 
 
-def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int] | None:
-    """(batch, M, N, DV) of a candidate ``P @ V``, or None if it is not shaped like one."""
+def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int, tuple[int, ...]] | None:
+    """(batch, M, N, DV, order) of a candidate ``P @ V``, or None if it is not shaped like one;
+    ``order`` lists the node's dim of each (batch..., m, dv) dim (an einsum may permute them)."""
     ops = _operands(node)
     if len(ops) != 2 or meta(node) is None or meta(node).dim() < 2:
         return None
     shape = static_shape(meta(node))
+    order = tuple(range(len(shape)))
     if packet(node) == aten.einsum:
-        lhs, out = node.args[0].replace(" ", "").split("->")
-        a, c = lhs.split(",")
-        summed = [ch for ch in a if ch in c and ch not in out]
-        if len(summed) != 1:
+        letters = einsum_letters(node.args[0])
+        if letters is None:
             return None
-        n = static_shape(meta(ops[0]))[a.index(summed[0])]
+        a, _, summed, _, order = letters
+        n = static_shape(meta(ops[0]))[a.index(summed)]
+        shape = tuple(shape[o] for o in order)
     else:
         n = static_shape(meta(ops[0]))[-1]
-    return shape[:-2], shape[-2], n, shape[-1]
-
-
-def _extend_epilogue(node: fx.Node) -> fx.Node:
-    """Follow single-user pointwise ops that keep the output shape (gates, mixing, casts)."""
-    shape = meta(node).shape
-    while len(node.users) == 1:
-        user = next(iter(node.users))
-        p = packet(user)
-        if p is None or p not in RULES or p in CONTRACTIONS or p in EPILOGUE_BLOCKLIST:
-            break
-        if meta(user) is None or meta(user).shape != shape:
-            break
-        node = user
-    return node
+    return shape[:-2], shape[-2], n, shape[-1], order
 
 
 def _is_attention(b: Builder) -> bool:
@@ -126,10 +111,13 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
     geom = _geometry(contraction)
     if geom is None:
         return None, None
-    batch, M, N, DV = geom
-    root = _extend_epilogue(contraction)
+    batch, M, N, DV, order = geom
     b = Builder(batch, M, N, DV)
-    out = b.sym(root)(b.bvars + (b.m, b.dv))
+    tile = b.bvars + (b.m, b.dv)
+    epi = extend(contraction, permute_back(tile, order), tile)
+    b.epilogue = epi.nodes - {contraction}
+    root = epi.exit
+    out = b.sym(epi.value)(epi.index)
     if not b.dots or not any(r.kind == "dot" for r in b.reductions) or not refs(out, "red"):
         return None, b
     if not _is_attention(b):
@@ -139,8 +127,9 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
         inputs=[Input(n.name, static_shape(meta(n)), meta(n).dtype) for n in b.inputs],
         dots=list(b.dots), reductions=list(b.reductions), out=out,
         out_dtype=meta(root).dtype, source=source_line(contraction),
+        out_shape=None if epi.store is None else static_shape(meta(root)), out_index=epi.store,
     )
-    return Match(root, region, list(b.inputs), b.inner | {root}), b
+    return Match(root, region, list(b.inputs), b.inner | epi.nodes), b
 
 
 def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:

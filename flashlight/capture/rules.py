@@ -3,6 +3,7 @@ signature). Views compose index maps, pointwise ops combine broadcast operands, 
 become index arithmetic, reductions over the key dim and contractions register themselves."""
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from typing import Callable
@@ -11,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import Expr, call, coerce, const, free_vars, refs
+from ..ir.expr import is_const
 from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, static_shape
 
 aten = torch.ops.aten
@@ -178,38 +180,42 @@ def _select(b, node, x, dim, index):
     return view(b, node, x, lambda idx: idx[:dim] + (const(index),) + idx[dim:])
 
 
-def _reshape(b, node, x, *_, **__):
-    """General reshape as index arithmetic: group dims whose products match, then for each group
-    linearise the output index and unflatten it into the input dims."""
-    in_shape, shape = b.sym(x).shape, out_shape(node)
-    ins = [i for i, s in enumerate(in_shape) if s != 1]
-    outs = [i for i, s in enumerate(shape) if s != 1]
-    groups, gi, go = [], [], []
-    pi = po = 1
-    while ins or outs:
-        if pi <= po and ins:
-            gi.append(ins.pop(0)); pi *= in_shape[gi[-1]]
+def relinearize(idx: Idx, src: tuple[int, ...], dst: tuple[int, ...], node=None) -> Idx:
+    """The index into ``dst`` of element ``idx`` of ``src`` at the same row-major position (a
+    reshape): group dims whose products match, linearise each group of ``src`` dims and unflatten
+    it into the group's ``dst`` dims."""
+    srcs = [i for i, s in enumerate(src) if s != 1]
+    dsts = [i for i, s in enumerate(dst) if s != 1]
+    groups, gd, gs = [], [], []
+    pd = ps = 1
+    while dsts or srcs:
+        if pd <= ps and dsts:
+            gd.append(dsts.pop(0)); pd *= dst[gd[-1]]
         else:
-            go.append(outs.pop(0)); po *= shape[go[-1]]
-        if pi == po:
-            groups.append((gi, go)); gi, go, pi, po = [], [], 1, 1
-    if gi or go:
-        raise Unsupported(f"reshape {in_shape} -> {shape}", node)
+            gs.append(srcs.pop(0)); ps *= src[gs[-1]]
+        if pd == ps:
+            groups.append((gd, gs)); gd, gs, pd, ps = [], [], 1, 1
+    if gd or gs:
+        raise Unsupported(f"reshape {src} -> {dst}", node)
+    res = [const(0)] * len(dst)
+    for g_dst, g_src in groups:
+        lin, stride = const(0), 1
+        for o in reversed(g_src):
+            lin = idx[o] * stride + lin
+            stride *= src[o]
+        inner = stride
+        for t, i in enumerate(g_dst):
+            inner //= dst[i]
+            e = lin // inner
+            res[i] = e if t == 0 else e % dst[i]
+    return tuple(res)
 
-    def remap(idx):
-        res = [const(0)] * len(in_shape)
-        for g_in, g_out in groups:
-            lin, stride = const(0), 1
-            for o in reversed(g_out):
-                lin = idx[o] * stride + lin
-                stride *= shape[o]
-            inner = stride
-            for t, i in enumerate(g_in):
-                inner //= in_shape[i]
-                e = lin // inner
-                res[i] = e if t == 0 else e % in_shape[i]
-        return tuple(res)
-    return view(b, node, x, remap)
+
+def _reshape(b, node, x, *_, **__):
+    """General reshape as index arithmetic (``relinearize``)."""
+    in_shape, shape = b.sym(x).shape, out_shape(node)
+    relinearize(tuple(const(0) for _ in shape), shape, in_shape, node)     # unsupported: raise now
+    return view(b, node, x, lambda idx: relinearize(idx, shape, in_shape, node))
 
 
 def _split_item(b, node, parent, i):
@@ -295,7 +301,7 @@ def _tri(keep: Callable[[Expr, Expr, int], Expr]):
 
 
 # -- reductions over the key dim, and the two contractions ------------------------------------
-def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Builder, Expr], Expr]) -> Sym | None:
+def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Builder, Expr, int], Expr]) -> Sym | None:
     s = b.sym(x)
     dims = [dims] if isinstance(dims, int) else list(dims)
     if len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
@@ -305,14 +311,15 @@ def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Bu
         head = idx[:-1] if keepdim else idx
         if any("n" in free_vars(i) for i in head):
             raise Unsupported("reduction over N read at a varying key position", node)
-        return combine(b, s(head + (b.n,)))
+        return combine(b, s(head + (b.n,)), s.shape[-1])
     return Sym(out_shape(node), "f", fn)
 
 
-def _softmax_parts(b: Builder, body: Expr) -> tuple[Expr, Expr]:
-    mx = b.add_reduction("max", body)
+def _softmax_parts(b: Builder, body: Expr, size: int) -> tuple[Expr, Expr, Expr]:
+    """Row max m, exp(x - m) and its row sum l of a softmax over ``size`` key positions."""
+    mx = b.add_reduction("max", body, size=size)
     e = call("exp", call("sub", body, mx))
-    return e, b.add_reduction("sum", e)
+    return mx, e, b.add_reduction("sum", e, size=size)
 
 
 def _softmax(b, node, x, dim, *_, **__):
@@ -321,10 +328,11 @@ def _softmax(b, node, x, dim, *_, **__):
         return b.decline(node, f"softmax over dim {dim}: only a softmax over the key (last) dim fuses")
 
     def fn(idx):
-        if idx[-1] != b.n:
-            raise Unsupported("softmax read at a key index other than the tile's", node)
-        e, l = _softmax_parts(b, s(idx))
-        return call("div_safe", e, l)    # a fully masked row gives 0, not NaN
+        if any("n" in free_vars(i) for i in idx[:-1]):
+            raise Unsupported("softmax read at a varying key position", node)
+        mx, _, l = _softmax_parts(b, s(idx[:-1] + (b.n,)), s.shape[-1])
+        # at the tile's key n this is the e of the sum; elsewhere (a sink column) its own value
+        return call("div_safe", call("exp", call("sub", s(idx), mx)), l)    # a fully masked row gives 0, not NaN
     return Sym(out_shape(node), "f", fn)
 
 
@@ -334,37 +342,119 @@ def _log_softmax(b, node, x, dim, *_, **__):
         return None
 
     def fn(idx):
-        body = s(idx[:-1] + (b.n,))
-        mx = b.add_reduction("max", body)
-        lse = call("add", call("log", b.add_reduction("sum", call("exp", call("sub", body, mx)))), mx)
+        mx, _, l = _softmax_parts(b, s(idx[:-1] + (b.n,)), s.shape[-1])
+        lse = call("add", call("log", l), mx)
         return call("sub", s(idx), lse)
     return Sym(out_shape(node), "f", fn)
 
 
 def _amax(b, node, x, dims=(), keepdim=False):
-    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body: bb.add_reduction("max", body))
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
+
+
+def _sum_dv(b: Builder, node, x, scale: float) -> Sym:
+    """A sum over the output's head dim in the epilogue (capture/epilogue.py checked: the last
+    dim, keepdim): a row value of the output tile."""
+    s = b.sym(x)
+    return Sym(out_shape(node), "f", lambda idx: call("mul", call("sum_dv", s(idx[:-1] + (b.dv,))), const(scale)))
+
+
+UNROLL = 64     # most terms a sum over small dims other than the key axis is unrolled into
+
+
+def _over_keys(b: Builder, x, dims) -> bool:
+    """A reduction over the key axis: the last dim alone, N long (N + 1 with a sink column)."""
+    shape = out_shape(x)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return len(dims) == 1 and _norm_dim(dims[0], len(shape)) == len(shape) - 1 and shape[-1] in (b.N, b.N + 1)
+
+
+def _unrolled_sum(b: Builder, node, x, dims, keepdim: bool, scale: float) -> Sym | None:
+    """A sum over small dims that are not the key axis (IPA's point and xyz dims of squared
+    distances), unrolled into the scalar expression: exact, and no score-sized tensor."""
+    s = b.sym(x)
+    rank = len(s.shape)
+    dims = sorted({_norm_dim(d, rank) for d in ([dims] if isinstance(dims, int) else dims)})
+    sizes = [s.shape[d] for d in dims]
+    if math.prod(sizes) > UNROLL:
+        return b.decline(node, f"sum over dims {dims} of sizes {sizes}: neither the key axis nor small")
+
+    def fn(idx):
+        kept = [i for d, i in enumerate(idx) if not (keepdim and d in dims)]
+        total = None
+        for point in itertools.product(*(range(n) for n in sizes)):
+            at, rest, fixed = [], iter(kept), dict(zip(dims, point))
+            for d in range(rank):
+                at.append(const(fixed[d]) if d in fixed else next(rest))
+            term = s(tuple(at))
+            total = term if total is None else call("add", total, term)
+        total = coerce(total, "f")
+        return total if scale == 1.0 else call("mul", total, const(scale))
+    return Sym(out_shape(node), "f", fn)
 
 
 def _sum(b, node, x, dims=None, keepdim=False, *_, **__):
     if dims is None:
         return None
-    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body: bb.add_reduction("sum", body))
+    if node in b.epilogue:
+        return _sum_dv(b, node, x, 1.0)
+    if not _over_keys(b, x, dims):
+        return _unrolled_sum(b, node, x, dims, keepdim, 1.0)
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("sum", body, size=size))
+
+
+def _mean(b, node, x, dims=None, keepdim=False, *_, **__):
+    if dims is None:
+        return None
+    if node in b.epilogue:
+        return _sum_dv(b, node, x, 1.0 / b.DV)
+    if not _over_keys(b, x, dims):
+        shape = out_shape(x)
+        count = math.prod(shape[_norm_dim(d, len(shape))] for d in ([dims] if isinstance(dims, int) else dims))
+        return _unrolled_sum(b, node, x, dims, keepdim, 1.0 / count)
+    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: call(
+        "div", bb.add_reduction("sum", body, size=size), const(float(size))))
 
 
 def _logsumexp(b, node, x, dims, keepdim=False):
-    def combine(bb, body):
-        mx = bb.add_reduction("max", body)
-        return call("add", call("log", bb.add_reduction("sum", call("exp", call("sub", body, mx)))), mx)
+    def combine(bb, body, size):
+        mx, _, l = _softmax_parts(bb, body, size)
+        return call("add", call("log", l), mx)
     return _reduce_last(b, node, x, dims, keepdim, combine)
 
 
-def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym) -> Sym | None:
+def _cat(b, node, tensors, dim=0):
+    """``torch.cat([scores, column], -1)``: an attention sink's logit appended after the N keys
+    (gpt-oss). Read at the key index it is ``cat_n(score, column)``, so a softmax over it spans
+    N + 1 positions; read at position N it is the column. Other concatenations stay leaves."""
+    shape = out_shape(node)
+    if len(tensors) != 2 or _norm_dim(dim, len(shape)) != len(shape) - 1:
+        return None
+    if out_shape(tensors[0])[-1] != b.N or out_shape(tensors[1])[-1] != 1:
+        return b.decline(node, "torch.cat fuses only as one column appended after the N keys")
+    sa, se = b.sym(tensors[0]), b.sym(tensors[1])
+    kind, leaf = kind_of(meta(node).dtype), b.leaf(node)
+
+    def fn(idx):
+        column = coerce(se(idx[:-1] + (const(0),)), kind)
+        if idx[-1] == b.n:
+            return call("cat_n", coerce(sa(idx), kind), column)
+        if is_const(idx[-1], b.N):
+            return column
+        return leaf(idx)
+    return Sym(shape, kind, fn)
+
+
+def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, ...] | None = None) -> Sym | None:
     """``x @ y`` with matmul broadcasting. At a score tile (.., m, n) it is a dot of the region;
     at an output tile (.., m, dv) with a score-like left operand it is a reduction over N;
-    anywhere else it is a leaf computed outside the kernel."""
+    anywhere else it is a leaf computed outside the kernel. ``order``: which of the node's dims
+    holds each dim of the (batch..., rows, cols) product (an einsum with permuted output letters)."""
     if len(sx.shape) < 2 or len(sy.shape) < 2:
         return None
-    shape = out_shape(node)
+    own = out_shape(node)
+    order = order or tuple(range(len(own)))
+    shape = tuple(own[o] for o in order)
     leaf = b.leaf(node)
     bshape = shape[:-2]
 
@@ -379,39 +469,89 @@ def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym) -> Sym | None:
             body = sx(ax + (b.m, b.n))
             if refs(body, "dot"):
                 return b.add_reduction("dot", body, sy(ay + (b.n, b.dv)))
-        return leaf(idx)
-    return Sym(shape, "f", fn)
+        return leaf(permute_back(idx, order))
+    return Sym(own, "f", lambda idx: fn(tuple(idx[o] for o in order)))
+
+
+def permute_back(idx: Idx, order: tuple[int, ...]) -> Idx:
+    """The node's index of element ``idx`` of its (batch..., rows, cols) order."""
+    res = [None] * len(idx)
+    for i, o in enumerate(order):
+        res[o] = idx[i]
+    return tuple(res)
 
 
 def _matmul(b, node, x, y):
     return contraction(b, node, b.sym(x), b.sym(y))
 
 
-def _einsum(b, node, equation, operands):
-    """Two-operand einsum with one contracted letter, normalised to a batched matmul."""
-    if len(operands) != 2 or "..." in equation:
+def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] | None:
+    """(a, c, contracted, rows + cols order, ``order``) of a two-operand einsum with one
+    contracted letter, one output letter only in ``a`` (rows) and one only in ``c`` (cols):
+    the product in (batch..., rows, cols) order, which the output may permute."""
+    if "..." in equation or "->" not in equation:
         return None
     lhs, out = equation.replace(" ", "").split("->")
+    if lhs.count(",") != 1:
+        return None
     a, c = lhs.split(",")
     contracted = [ch for ch in a if ch in c and ch not in out]
-    if len(contracted) != 1 or len(out) < 2 or any(ch not in a + c for ch in out):
+    rows = [ch for ch in out if ch in a and ch not in c]
+    cols = [ch for ch in out if ch in c and ch not in a]
+    if len(contracted) != 1 or len(rows) != 1 or len(cols) != 1 or any(ch not in a + c for ch in out):
         return None
-    kk, mm, nn = contracted[0], out[-2], out[-1]
-    if mm not in a or nn not in c or mm in c or nn in a:
+    natural = "".join(ch for ch in out if ch not in rows + cols) + rows[0] + cols[0]
+    return a, c, contracted[0], natural, tuple(out.index(ch) for ch in natural)
+
+
+def _einsum(b, node, equation, operands):
+    """Two-operand einsum with one contracted letter, normalised to a batched matmul."""
+    letters = einsum_letters(equation) if len(operands) == 2 else None
+    if letters is None:
         return None
-    batch = out[:-2]
+    a, c, kk, natural, order = letters
+    batch, mm, nn = natural[:-2], natural[-2], natural[-1]
     sa, sc = b.sym(operands[0]), b.sym(operands[1])
     sizes = dict(zip(a, sa.shape)) | dict(zip(c, sc.shape))
 
-    def norm(s: Sym, letters: str, order: str) -> Sym:
-        # view the operand as (batch..., order[0], order[1]); batch letters it lacks broadcast
-        full = batch + order
+    def norm(s: Sym, letters: str, pair: str) -> Sym:
+        # view the operand as (batch..., pair[0], pair[1]); batch letters it lacks broadcast
+        full = batch + pair
         if any(ch not in full for ch in letters):
             raise Unsupported(f"einsum {equation}: a letter is summed out", node)
         return Sym(tuple(sizes[ch] if ch in letters else 1 for ch in full), s.kind,
                    lambda idx: s(tuple(idx[full.index(ch)] for ch in letters)))
 
-    return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn))
+    return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn), order)
+
+
+# In-place updates of scores (gpt-oss: ``QK *= sm_scale; QK += mask``): the out-of-place op, when
+# the updated tensor is a fresh intermediate that nothing reads after the update.
+INPLACE = {aten.add_: aten.add, aten.sub_: aten.sub, aten.mul_: aten.mul, aten.div_: aten.div,
+           aten.masked_fill_: aten.masked_fill}
+ALIASING = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.mT,
+            aten.unsqueeze, aten.squeeze, aten.expand, aten.expand_as, aten.slice, aten.select,
+            aten.alias, aten.detach, aten.contiguous, aten.to, aten.type_as}
+
+
+def _private(x, node: fx.Node) -> bool:
+    """``x`` owns its memory (not an input, not a view of another tensor; an in-place chain is
+    followed to its base) and no node after ``node`` reads it."""
+    if not isinstance(x, fx.Node) or x.op != "call_function":
+        return False
+    p = getattr(x.target, "overloadpacket", None)
+    if p not in RULES or (p in ALIASING) or (p in INPLACE and not _private(x.args[0], node)):
+        return False
+    position = {n: i for i, n in enumerate(node.graph.nodes)}
+    return all(position[u] <= position[node] for u in x.users)
+
+
+def _inplace(op):
+    def rule(b, node, x, *args, **kwargs):
+        if not _private(x, node):
+            return b.decline(node, f"{node.target} updates a tensor that is an input, a view, or read later")
+        return RULES[op](b, node, x, *args, **kwargs)
+    return rule
 
 
 def _bool_only(rule):
@@ -450,7 +590,7 @@ RULES.update({
     aten.permute: _permute, aten.transpose: _transpose, aten.t: _t, aten.mT: _mT,
     aten.unsqueeze: _unsqueeze, aten.squeeze: _squeeze, aten.expand: _expand,
     aten.expand_as: _expand, aten.view: _reshape, aten.reshape: _reshape, aten._unsafe_view: _reshape,
-    aten.slice: _slice, aten.select: _select, aten.repeat_interleave: _repeat_interleave,
+    aten.slice: _slice, aten.select: _select, aten.cat: _cat, aten.repeat_interleave: _repeat_interleave,
     aten.repeat: _repeat, aten.index: _index,
     # index generators
     aten.arange: _arange,
@@ -458,13 +598,16 @@ RULES.update({
     aten.full: _fill(lambda a, k: a[1]), aten.ones_like: _fill(lambda a, k: 1),
     aten.zeros_like: _fill(lambda a, k: 0), aten.full_like: _fill(lambda a, k: a[1]),
     aten.scalar_tensor: _fill(lambda a, k: a[0]),
+    aten.new_full: _fill(lambda a, k: a[2]), aten.new_ones: _fill(lambda a, k: 1),
+    aten.new_zeros: _fill(lambda a, k: 0),
     aten.tril: _tri(lambda i, j, d: call("le", call("sub", j, i), const(d))),
     aten.triu: _tri(lambda i, j, d: call("ge", call("sub", j, i), const(d))),
     # reductions over the key dim
     aten.softmax: _softmax, aten._softmax: _softmax, aten._safe_softmax: _softmax,
     aten.log_softmax: _log_softmax, aten._log_softmax: _log_softmax,
-    aten.amax: _amax, aten.sum: _sum, aten.logsumexp: _logsumexp,
+    aten.amax: _amax, aten.sum: _sum, aten.mean: _mean, aten.logsumexp: _logsumexp,
     # contractions
     aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum,
 })
 RULES[operator.getitem] = _split_item
+RULES.update({inplace: _inplace(op) for inplace, op in INPLACE.items()})

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from ..ir import Dot, Expr, Reduction, const, dot, free_vars, load, red, refs, var
+from ..ir import Dot, Expr, Reduction, const, dot, free_vars, load, red, refs, substitute, var, walk
 
 aten = torch.ops.aten
 Idx = tuple  # tuple[Expr, ...]
@@ -94,6 +94,7 @@ class Builder:
         self.inner: set[fx.Node] = set()     # nodes evaluated through a rule
         self.leaves: set[fx.Node] = set()
         self.declined: dict[fx.Node, str] = {}   # why a rule left a node as a leaf
+        self.epilogue: set[fx.Node] = set()      # nodes after P @ V: their sums run over dv
 
     # -- operands ---------------------------------------------------------------------------
     def sym(self, arg) -> Sym:
@@ -143,9 +144,16 @@ class Builder:
             self.dots.append(d)
         return dot(self.dots.index(d))
 
-    def add_reduction(self, kind: str, body: Expr, v: Expr | None = None) -> Expr:
+    def add_reduction(self, kind: str, body: Expr, v: Expr | None = None, size: int | None = None) -> Expr:
+        """Register ``kind``_n ``body`` (over ``size`` positions along the key axis: N, or N + 1
+        when the body reads a column appended with ``torch.cat``, which rewrite splits off)."""
         if "n" not in free_vars(body) and not refs(body, "dot") and kind != "dot":
             raise Unsupported(f"{kind} over the key dim of a value that does not vary along it")
+        if any(x.op == "cat_n" for x in walk(body)):
+            if kind == "dot" or size in (None, self.N):    # P @ V contracts the N rows of V only
+                body = substitute(body, lambda e: e.args[0] if e.op == "cat_n" else None)
+            elif size != self.N + 1:
+                raise Unsupported(f"{kind} over {size} positions of an axis with {self.N} keys and a column")
         r = Reduction(kind, body, v)
         if r not in self.reductions:
             self.reductions.append(r)

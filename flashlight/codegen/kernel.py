@@ -89,6 +89,7 @@ class KernelWriter:
             init = NEG_INF if kind == "max" else "0.0"
             cols = "BLOCK_DV" if kind == "dot" else "1"
             out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
+        self.seed(members)
         loops = []      # bodies first: their hoisted invariants must precede every guard
         for guard, segs in self.segments(members):
             indent = "    " if guard else ""
@@ -107,6 +108,24 @@ class KernelWriter:
                 em.red_names[j] = f"r{j}_s"
             else:
                 em.red_names[j] = f"r{j}"
+
+    def seed(self, members: list[int]) -> None:
+        """Reductions with an ``extra`` element (a sink column) start from it: maxima first,
+        then the sums, which read the seeded maxima exactly as the loop's rescale expects."""
+        r, em, out = self.r, self.em, self.outer
+        seeded = [j for j in members if r.reductions[j].extra is not None]
+        if not seeded:
+            return
+        # a context of its own per pass: red(j) names the seeded max here, the loop's state later
+        row = Ctx(em.fresh("row"), vars={"m": "offs_m[:, None]"}, masks={"m": "mask_m[:, None]"})
+        for j in sorted(seeded, key=lambda j: r.reductions[j].kind != "max"):
+            val = em.emit(r.reductions[j].extra, row, out)
+            if r.reductions[j].kind == "max":
+                out.lines.append(f"r{j} = tl.maximum(r{j}, {val})")
+                out.lines.append(f"r{j}_0 = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
+                em.red_names[j] = f"r{j}_0"
+            else:
+                out.lines.append(f"r{j} = r{j} + {val}")
 
     def loop_body(self, members: list[int], loop: Block, full: bool) -> None:
         """One N block. ``full``: the block is inside N and every mask is proven to keep all of
@@ -200,7 +219,7 @@ class KernelWriter:
             args += [f"in{i}_s{d}" for d in range(len(x.shape))]
         nb = len(self.r.batch)
         args.append("out_ptr")
-        args += [f"out_s{d}" for d in range(nb + 2)]
+        args += [f"out_s{d}" for d in range(len(self.r.result_shape))]
         for k, st in enumerate(self.stats):
             args += [f"aux{k}_min", f"aux{k}_max"]
             args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
@@ -237,8 +256,12 @@ class KernelWriter:
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
         val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
-        offs = [f"b{d} * out_s{d}" for d in range(nb)]
-        offs += [f"offs_m[:, None] * out_s{nb}", f"offs_dv[None, :] * out_s{nb + 1}"]
+        if r.out_index is None:
+            offs = [f"b{d} * out_s{d}" for d in range(nb)]
+            offs += [f"offs_m[:, None] * out_s{nb}", f"offs_dv[None, :] * out_s{nb + 1}"]
+        else:     # a permuted / reshaped output: the store index comes from the epilogue's views
+            offs = [f"{self.em.emit(i, CTX_O, out)} * out_s{d}" for d, i in enumerate(r.out_index)
+                    if not (i.op == "const" and i.args[0] == 0)]
         out.lines.append(f"tl.store(out_ptr + {' + '.join(offs)}, {val}.to(out_ptr.dtype.element_ty), "
                          f"mask=mask_m[:, None] & mask_dv[None, :])")
         body = "\n".join("    " + line for line in out.lines)

@@ -7,9 +7,10 @@ from importlib import import_module
 # FlexAttention can express these ...
 FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi", "softcap",
               "gqa", "cross_attention", "key_padding"]
-# ... and these it cannot (several softmaxes, post-softmax ops, epilogues, no softmax at all).
+# ... and these it cannot (several softmaxes, post-softmax ops, epilogues, no softmax at all,
+# a sink column concatenated to the scores, squared distances between 3-D points).
 BEYOND_NAMES = ["diff_attention", "gated", "hand_softmax", "relu_attention", "sigmoid_attention",
-                "evoformer", "relative_position"]
+                "evoformer", "relative_position", "sinks", "sinks_sliding_window", "ipa"]
 NAMES = FLEX_NAMES + BEYOND_NAMES
 
 

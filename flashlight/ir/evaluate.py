@@ -74,6 +74,8 @@ class _Context:
             return self.memo[x.args[0]].to(torch.int64)
         if x.op == "to_b":
             return self.memo[x.args[0]] != 0
+        if x.op == "sum_dv":        # only in the output context, where dv is the last dim
+            return ev.full(self.memo[x.args[0]], self).sum(-1, keepdim=True)
         return OPS[x.op](*(self.memo[a] for a in x.args))
 
 
@@ -111,15 +113,23 @@ class Evaluator:
         for r in self.region.reductions:
             body = self.full(self.ctx_s(r.body), self.ctx_s)
             if r.kind == "max":
-                self.reds.append(body.amax(-1, keepdim=True))
+                val = body.amax(-1, keepdim=True)
             elif r.kind == "sum":
-                self.reds.append(body.sum(-1, keepdim=True))
+                val = body.sum(-1, keepdim=True)
             else:
-                self.reds.append(body @ self.full(self.ctx_v(r.v), self.ctx_v))
-        out = self.ctx_o(self.region.out)
-        return out.to(self.dtype).expand(self.ctx_o.shape)
+                val = body @ self.full(self.ctx_v(r.v), self.ctx_v)
+            if r.extra is not None:      # one more element (a sink column)
+                extra = self.ctx_s(r.extra).to(self.dtype).expand(val.shape)
+                val = torch.maximum(val, extra) if r.kind == "max" else val + extra
+            self.reds.append(val)
+        out = self.full(self.ctx_o(self.region.out), self.ctx_o)
+        if self.region.out_index is None:
+            return out
+        idx = tuple(self.ctx_o(i).expand(self.ctx_o.shape) for i in self.region.out_index)
+        return out.new_zeros(self.region.out_shape).index_put(idx, out)
 
 
 def evaluate(region: Region, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Run ``region`` on ``inputs``; returns (*batch, M, DV) in the compute dtype."""
+    """Run ``region`` on ``inputs``; returns its result (*batch, M, DV, or ``out_shape``) in the
+    compute dtype."""
     return Evaluator(region, inputs).run()

@@ -96,7 +96,15 @@ POINTWISE: dict[str, tuple[int, str | None]] = {
     "sin": (1, "f"), "cos": (1, "f"), "floor": (1, None), "ceil": (1, None), "round": (1, None),
     "where": (3, None),         # kind follows the second operand (promoted with the third)
     "to_f": (1, "f"), "to_i": (1, "i"), "to_b": (1, "b"),
+    # torch.cat([x, e], -1) of an (.., N) score tensor and one (.., 1) column: x at keys n < N,
+    # the row value e at position N. A max / sum whose body reads it spans N + 1 positions;
+    # rewrite.split_concat turns that into a reduction over the keys plus an ``extra`` element.
+    "cat_n": (2, None),
+    # sum over the output's head dim dv of an output-tile value (a row value: dv is bound), for
+    # norms in the epilogue (DiffAttn's per-head RMSNorm). Only in a region's ``out``.
+    "sum_dv": (1, "f"),
 }
+BINDS: dict[str, frozenset[str]] = {"sum_dv": frozenset({"dv"})}   # op -> index vars it sums out
 
 
 def promote(*kinds: str) -> str:
@@ -221,7 +229,13 @@ def walk(e: Expr) -> Iterator[Expr]:
 
 @functools.lru_cache(maxsize=65536)
 def free_vars(e: Expr) -> frozenset[str]:
-    return frozenset(x.args[0] for x in walk(e) if x.op == "var")
+    found: dict[Expr, frozenset[str]] = {}
+    for x in walk(e):       # post-order: children first
+        if x.op == "var":
+            found[x] = frozenset(x.args)
+        else:
+            found[x] = frozenset().union(*(found[c] for c in children(x))) - BINDS.get(x.op, frozenset())
+    return found[e]
 
 
 @functools.lru_cache(maxsize=65536)

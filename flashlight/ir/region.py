@@ -11,6 +11,8 @@ A region computes, for every (b..., m)::
     dots        qk_i[b, m, n] = sum_dk Q_i[b, m, dk] * K_i[b, n, dk]
     reductions  r_j[b, m] = reduce_n body_j[b, m, n]          (max / sum)
                 r_j[b, m, dv] = sum_n body_j[b, m, n] * V_j[b, n, dv]   (kind "dot")
+                a max / sum may have a row ``extra``: one more element, max(r_j, extra_j) /
+                r_j + extra_j (an attention sink: a logit column appended after the N keys)
     out         out[b, m, dv] = out_expr(r..., loads)
 
 where every ``body_j`` may read the dots, loads, index vars and earlier reductions.
@@ -46,10 +48,16 @@ class Reduction:
     body: Expr              # over (b..., m, n)
     v: Expr | None = None   # over (b..., n, dv), for kind "dot"
     online: int | None = None   # index of the max reduction it is rescaled by (rewrite stage)
+    extra: Expr | None = None   # over (b..., m): one more element of a max / sum (a sink column)
 
     def __post_init__(self):
         assert self.kind in RED_KINDS
         assert (self.v is not None) == (self.kind == "dot")
+        assert self.extra is None or self.kind != "dot"
+
+    def reads(self) -> frozenset[int]:
+        """The reductions this one reads (in its body or its extra element)."""
+        return refs(self.body, "red") | (refs(self.extra, "red") if self.extra is not None else frozenset())
 
 
 @dataclass
@@ -66,6 +74,15 @@ class Region:
     out_dtype: torch.dtype
     source: str = ""                # the user's source line(s), for explain()
     features: set[str] = field(default_factory=set)
+    # The epilogue may end in permutes / reshapes of the (b..., m, dv) tile (Evoformer's output
+    # transposed back to [B, S, R, H, C]): the output tensor's shape, and where tile element
+    # (b..., m, dv) is stored in it. None: the tile's own layout.
+    out_shape: tuple[int, ...] | None = None
+    out_index: tuple[Expr, ...] | None = None
+
+    @property
+    def result_shape(self) -> tuple[int, ...]:
+        return self.out_shape if self.out_shape is not None else (*self.batch, self.M, self.DV)
 
     @property
     def batch_vars(self) -> tuple[str, ...]:
@@ -75,7 +92,7 @@ class Region:
         """Group reductions into passes over N (see rewrite.assign_passes)."""
         level: list[int] = []
         for j, r in enumerate(self.reductions):
-            deps = refs(r.body, "red")
+            deps = r.reads()
             lv = 0
             for d in deps:
                 lv = max(lv, level[d] if r.online == d else level[d] + 1)
@@ -99,8 +116,12 @@ class Region:
         for j, r in enumerate(self.reductions):
             extra = f" v={fmt(r.v)}" if r.v is not None else ""
             on = f" online(red{r.online})" if r.online is not None else ""
+            extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)}")
+        if self.out_index is not None:
+            shape = self.out_shape if sizes else f"rank {len(self.out_shape)}"
+            lines.append(f"  store [{', '.join(fmt(i) for i in self.out_index)}] of {shape}")
         return "\n".join(lines)
 
 
@@ -125,6 +146,8 @@ def verify(region: Region) -> Region:
                 raise VerifyError(f"{what} reads red{x.args[0]} before it is computed")
             if x.op == "dot" and (not dots or x.args[0] >= len(region.dots)):
                 raise VerifyError(f"{what} reads {fmt(x)} outside the score context")
+            if x.op == "sum_dv" and what != "out":
+                raise VerifyError(f"{what} sums over dv outside the output tile: {fmt(x)}")
 
     for i, d in enumerate(region.dots):
         check(d.q, b | {"m", "dk"}, f"dot{i}.q", 0, False)
@@ -133,7 +156,14 @@ def verify(region: Region) -> Region:
         check(r.body, b | {"m", "n"}, f"red{j}.body", j, True)
         if r.v is not None:
             check(r.v, b | {"n", "dv"}, f"red{j}.v", 0, False)
+        if r.extra is not None:
+            check(r.extra, b | {"m"}, f"red{j}.extra", j, False)
         if r.online is not None and region.reductions[r.online].kind != "max":
             raise VerifyError(f"red{j} is rescaled by red{r.online}, which is not a max")
     check(region.out, b | {"m", "dv"}, "out", len(region.reductions), False)
+    if region.out_index is not None:
+        if len(region.out_index) != len(region.out_shape):
+            raise VerifyError(f"store index of rank {len(region.out_index)} into {region.out_shape}")
+        for d, i in enumerate(region.out_index):
+            check(i, b | {"m", "dv"}, f"store index {d}", 0, False)
     return region

@@ -1,7 +1,11 @@
 """Algebra on reductions over N (DESIGN.md §3), as rule tables.
 
-Two tables:
+Three tables:
 
+* ``CONCAT``: a max / sum over scores with one column appended (``torch.cat`` of a sink logit)
+  is the reduction over the N keys combined with the body at the appended position, which
+  becomes the reduction's row-level ``extra`` element: the key loop is unchanged and the sink
+  only seeds the running state.
 * ``FACTOR``: a row-constant factor of a ``dot`` reduction's summand moves into the output,
   so ``softmax(s) @ v`` needs no normalised P inside the loop.
 * ``ONLINE``: when a summand depends on a running max ``m`` only through ``exp(x - m)`` it scales
@@ -16,7 +20,37 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from ..ir import Expr, Region, call, free_vars, red, refs, substitute, verify
+from ..ir import Expr, Region, call, const, free_vars, red, refs, substitute, var, verify, walk
+
+
+# reduce over n in [0, N] of f(cat_n(x, e)) = combine(reduce over n < N of f(x), f(e) at n = N).
+# Each row: reduction kind -> how the element at the appended position joins the reduction.
+CONCAT: dict[str, Callable[[Expr, Expr], Expr]] = {
+    "max": lambda acc, x: call("maximum", acc, x),    # max(x_0 .. x_N) = max(max_{n<N} x_n, x_N)
+    "sum": lambda acc, x: call("add", acc, x),        # sum(x_0 .. x_N) = sum_{n<N} x_n + x_N
+}
+
+
+def _has_cat(e: Expr) -> bool:
+    return any(x.op == "cat_n" for x in walk(e))
+
+
+def split_concat(region: Region) -> Region | None:
+    """Every max / sum whose body reads an appended column loops over the keys only and gets the
+    body at position N as its ``extra`` element (all at once, before ``online`` sees them)."""
+    reds, changed = list(region.reductions), False
+    n_at_end = const(region.N)
+    for j, r in enumerate(reds):
+        if r.kind not in CONCAT or not _has_cat(r.body):
+            continue
+        keys = substitute(r.body, lambda e: e.args[0] if e.op == "cat_n" else None)
+        last = substitute(r.body, lambda e: e.args[1] if e.op == "cat_n" else n_at_end if e == var("n") else None)
+        if refs(last, "dot") or _has_cat(keys):
+            return None     # not the one-column layout capture builds
+        extra = last if r.extra is None else CONCAT[r.kind](r.extra, last)
+        reds[j] = replace(r, body=keys, extra=extra)
+        changed = True
+    return replace(region, reductions=reds) if changed else None
 
 
 def row_constant(e: Expr, region: Region) -> bool:
@@ -78,8 +112,11 @@ def make_online(region: Region) -> Region | None:
             continue
         maxes = [j for j in refs(r.body, "red") if region.reductions[j].kind == "max"]
         for j in maxes:
-            others = refs(r.body, "red") - {j}
-            if scales(r.body, j) and all(region.reductions[o].kind != "dot" for o in others):
+            others = r.reads() - {j}
+            # an extra element is seeded before the loop: the max it reads must be seeded too
+            seeded = r.extra is None or (scales(r.extra, j) and region.reductions[j].extra is not None)
+            if scales(r.body, j) and seeded and \
+                    all(region.reductions[o].kind != "dot" for o in others):
                 reds = list(region.reductions)
                 reds[i] = replace(r, online=j)
                 return replace(region, reductions=reds)
@@ -87,6 +124,7 @@ def make_online(region: Region) -> Region | None:
 
 
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
+    ("split-concat", split_concat),
     ("factor-rows", factor_rows),
     ("online", make_online),
 ]

@@ -46,8 +46,7 @@ class CompiledRegion:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        r = self.region
-        return (*r.batch, r.M, r.DV)
+        return self.region.result_shape
 
     # -- forward ------------------------------------------------------------------------------
     def check(self, inputs: list[torch.Tensor]) -> None:

@@ -1,0 +1,75 @@
+"""Epilogue fusion (capture/epilogue.py): per-head norms, gates after the transpose back to the
+model's layout, and trailing reshapes run in the kernel after the last N block; the rest of the
+graph still gets the same values."""
+import torch
+
+import flashlight
+from flashlight.examples import diff_attention, evoformer
+from flashlight.testing import reference, rel_error
+from helpers import check_fused, check_grads
+
+B, H, M, N, D = 1, 2, 37, 70, 16
+
+
+def _ops(report) -> set[str]:
+    return {str(n.target) for g in report.graphs for n in g.graph.nodes if n.op == "call_function"}
+
+
+def test_diff_attention_rmsnorm_and_head_merge_are_in_the_kernel():
+    _, report = check_fused(diff_attention.attention, *diff_attention.make_inputs(B=B, H=H, M=M, N=N, D=D))
+    r = report.regions[0]
+    assert {"epilogue-norm", "permuted-store"} <= set(r.features)
+    assert "sum_dv" in r.ir and "tl.sum(tl.where(mask_dv" in r.kernel_source
+    assert _ops(report) == {"flashlight.region.default"}       # no pow / mean / rsqrt / reshape left
+
+
+def test_evoformer_gate_after_the_transpose_is_in_the_kernel():
+    _, report = check_fused(evoformer.attention, *evoformer.make_inputs(B=1, H=2, M=37, D=16))
+    assert "permuted-store" in report.regions[0].features
+    assert _ops(report) == {"flashlight.region.default"}       # no sigmoid, mul, transpose
+
+
+def test_layernorm_epilogue():
+    def attention(q, k, v, w, bias):
+        o = torch.softmax(q @ k.mT * 0.25, -1) @ v
+        mu = o.mean(-1, keepdim=True)
+        var = ((o - mu) ** 2).mean(-1, keepdim=True)
+        return (o - mu) * torch.rsqrt(var + 1e-5) * w + bias
+    q, k, v = torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    _, report = check_fused(attention, q, k, v, torch.randn(D), torch.randn(D))
+    assert "epilogue-norm" in report.regions[0].features
+    check_grads(attention, [q[..., :21, :], k[..., :30, :], v[..., :30, :], torch.randn(D), torch.randn(D)])
+
+
+def test_head_dim_padding_does_not_enter_the_norm():
+    """DV = 20 is padded to a 32-wide tile: padded columns must not count in the row sum."""
+    q, k, v, lam, w = diff_attention.make_inputs(B=B, H=H, M=M, N=N, D=20)
+    check_fused(diff_attention.attention, q, k, v, lam, w)
+
+
+def test_output_used_twice_keeps_the_epilogue_outside():
+    """When the attention output is also returned, the norm cannot replace it: the region ends at
+    P @ V and the norm runs outside, on the same values."""
+    def attention(q, k, v):
+        o = torch.softmax(q @ k.mT * 0.25, -1) @ v
+        return o, o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5)
+    q, k, v = torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    report = flashlight.explain(attention, q, k, v)
+    assert len(report.regions) == 1 and "epilogue-norm" not in report.regions[0].features
+    got = torch.compile(attention, backend="flashlight")(q, k, v)
+    for i in range(2):
+        assert rel_error(got[i], reference(lambda *a: attention(*a)[i], q, k, v)) < 1e-5
+
+
+def test_pointwise_after_a_reshape_stays_outside():
+    """A reshape only moves the tile; an op after it runs outside on the stored result."""
+    def attention(q, k, v, g):
+        o = (torch.softmax(q @ k.mT * 0.25, -1) @ v).transpose(1, 2).reshape(B, M, H * D)
+        return o * g
+    args = (torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.randn(B, M, H * D))
+    _, report = check_fused(attention, *args)
+    assert "permuted-store" in report.regions[0].features and "aten.mul.Tensor" in _ops(report)
+
+
+def test_evoformer_gradients_through_the_permuted_store():
+    check_grads(evoformer.attention, evoformer.make_inputs(B=1, H=2, M=21, D=16))
