@@ -14,6 +14,7 @@ An unexpected error while fusing compiles the graph without fusion (explain() sa
 """
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, field
 
@@ -57,8 +58,9 @@ def lower(region: Region):
 def replace(graph: fx.Graph, match: Match, key: str) -> None:
     with graph.inserting_before(match.root):
         call = graph.call_function(torch.ops.flashlight.region.default, (key, list(match.leaves)))
-    call.meta.update(match.root.meta)
-    match.root.replace_all_uses_with(call)
+        out = graph.call_function(operator.getitem, (call, 0))      # [1]: row statistics for autograd
+    out.meta.update(match.root.meta)
+    match.root.replace_all_uses_with(out)
 
 
 def fuse(gm: fx.GraphModule, example_inputs) -> tuple[fx.GraphModule, GraphReport]:

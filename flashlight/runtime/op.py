@@ -4,7 +4,11 @@ The op takes the region's key and its input tensors. It has a fake implementatio
 and registered autograd, so Dynamo, AOT autograd, Inductor and CUDA graphs treat it as opaque.
 On CUDA it launches the generated kernel; on CPU it runs the same kernel under the Triton
 interpreter when ``TRITON_INTERPRET=1``, and otherwise the region's reference evaluator.
-The backward (``flashlight::region_backward``) currently differentiates the reference evaluator.
+The op also returns the fp32 row statistics of every reduction (``ir.region.rowstat_columns``),
+which autograd saves with the inputs — never a score-sized tensor. The backward
+(``flashlight::region_backward``) launches the generated FA2-style kernel (``codegen/backward.py``)
+when the region supports it and the inputs run kernels; otherwise (float64, unsupported regions)
+it differentiates the reference evaluator.
 """
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ from pathlib import Path
 import torch
 import triton
 
-from ..codegen import generate
+from ..codegen import CodegenError, generate, generate_backward
+from ..codegen.backward import grad_inputs
 from ..ir import Region
-from ..ir.evaluate import compute_dtype, evaluate
+from ..ir.evaluate import compute_dtype, evaluate, evaluate_with_rowstats, row_gradients
+from ..ir.region import rowstat_columns
 from ..tune import Config, TuningCache, bucket, candidates, head_block
 from .cache import load_module, source_hash
 
@@ -42,6 +48,11 @@ class CompiledRegion:
     tuned: dict = field(default_factory=dict)      # shape bucket -> Config
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
+    bwd_kernel: object = None        # generated backward, or None: the reference VJP (bwd_reason says why)
+    bwd_source: str = ""
+    bwd_stats: list = field(default_factory=list)
+    bwd_reason: str = ""
+    bwd_launches: int = 0
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -65,36 +76,41 @@ class CompiledRegion:
             return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path
         return inputs[0].device.type == "cuda" or interpreting()
 
+    @property
+    def rowstats_shape(self) -> tuple[int, ...]:
+        r = self.region
+        return (*r.batch, r.M, rowstat_columns(r)[1])
+
     def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return self.run(inputs)[0]
+
+    def run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the row statistics the backward reads."""
         self.check(inputs)
         if not self.uses_kernel(inputs):
-            return evaluate(self.region, inputs).to(self.region.out_dtype)
+            out, rowstats = evaluate_with_rowstats(self.region, inputs)
+            return out.to(self.region.out_dtype), rowstats
         cfg = self.config(inputs)
         if MEASURE_SPARSITY:
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
         return self.launch(inputs, cfg)
 
-    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> torch.Tensor:
+    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.region
         out = torch.empty(self.out_shape, dtype=r.out_dtype, device=inputs[0].device)
+        rowstats = torch.empty(self.rowstats_shape, dtype=torch.float32, device=inputs[0].device)
         args: list = []
         for x in inputs:
             args += [x, *x.stride()]
-        args += [out, *out.stride()]
-        stats: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        for st in self.stats:     # ids read along m and along n: one reduction when blocks agree
-            key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
-            if key not in stats:
-                stats[key] = block_minmax(inputs[st.input], st.dim, key[2])
-            lo, hi = stats[key]
-            args += [lo, hi, *lo.stride()]
+        args += [out, *out.stride(), rowstats, r.M * rowstats.shape[-1], rowstats.shape[-1]]
+        args += block_stat_args(self.stats, inputs, cfg)
         args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
         self.kernel[grid](*args, DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
                           SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
                           BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
         self.launches += 1
-        return out
+        return out, rowstats
 
     def config(self, inputs: list[torch.Tensor]) -> Config:
         """Launch config for these sizes: memory, then disk, then autotuning (CUDA only)."""
@@ -128,7 +144,34 @@ class CompiledRegion:
         return best
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        if self.bwd_kernel is None or not self.uses_kernel(inputs):
+            return self.reference_backward(inputs, grad)
+        r = self.region
+        drow, epilogue = row_gradients(r, inputs, rowstats, grad)
+        bufs = {i: torch.zeros(inputs[i].shape, dtype=torch.float32, device=grad.device) for i in grad_inputs(r)}
+        cfg = self.config(inputs)
+        args: list = []
+        for x in inputs:
+            args += [x, *x.stride()]
+        for b in bufs.values():
+            args += [b, *b.stride()]
+        args += [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1]]
+        args += block_stat_args(self.bwd_stats, inputs, cfg)
+        args += [*r.batch, r.M, r.N]
+        grid = (triton.cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))
+        self.bwd_kernel[grid](*args, DK=r.DK, DV=r.DV, BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV),
+                              **cfg.as_kwargs())
+        self.bwd_launches += 1
+        grads = []
+        for i, x in enumerate(inputs):
+            g = bufs.get(i)
+            if i in epilogue:
+                g = epilogue[i].float() if g is None else g + epilogue[i]
+            grads.append(torch.zeros_like(x) if g is None else torch.empty_like(x).copy_(g))
+        return grads
+
+    def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
         ``torch.autograd.grad``: a custom op's implementation runs below the autograd key."""
         pos = [i for i, x in enumerate(inputs) if x.is_floating_point()]
@@ -169,6 +212,19 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
     return 1.0 - visited.float().mean().item()
 
 
+def block_stat_args(block_stats: list, inputs: list[torch.Tensor], cfg: Config) -> list:
+    """Kernel arguments of the per-block min/max a sparsity test reads (sparsity.BlockStat);
+    ids read along m and along n are reduced once when the blocks agree."""
+    args, cache = [], {}
+    for st in block_stats:
+        key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
+        if key not in cache:
+            cache[key] = block_minmax(inputs[st.input], st.dim, key[2])
+        lo, hi = cache[key]
+        args += [lo, hi, *lo.stride()]
+    return args
+
+
 def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of ``x`` over blocks of ``block`` along ``dim`` (O(numel), every call)."""
     if x.dtype == torch.bool:
@@ -196,40 +252,62 @@ def compile_region(region: Region) -> CompiledRegion:
     key = f"{name}_{source_hash(str(region))}"
     if key not in REGISTRY:
         module, path = load_module(name, source)
-        REGISTRY[key] = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key)
+        c = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key)
+        compile_backward(c)
+        REGISTRY[key] = c
     return REGISTRY[key]
 
 
+def compile_backward(c: CompiledRegion) -> None:
+    """Generate and import the region's backward kernel, or record why it uses the reference."""
+    placeholder = "fl_bwd"
+    try:
+        source, c.bwd_stats = generate_backward(c.region, placeholder, interpret=interpreting(),
+                                                allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+    except CodegenError as e:
+        c.bwd_reason = str(e)
+        return
+    name = f"fl_bwd_{source_hash(source)}"
+    c.bwd_source = source.replace(f"def {placeholder}(", f"def {name}(")
+    module, _ = load_module(name, c.bwd_source)
+    c.bwd_kernel = getattr(module, name)
+
+
 @torch.library.custom_op("flashlight::region", mutates_args=())
-def region_op(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
-    return REGISTRY[key].forward(list(inputs))
+def region_op(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, fp32 row statistics for the backward)."""
+    return REGISTRY[key].run(list(inputs))
 
 
 @region_op.register_fake
-def _region_fake(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+def _region_fake(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     c = REGISTRY[key]
-    return inputs[0].new_empty(c.out_shape, dtype=c.region.out_dtype)
+    return (inputs[0].new_empty(c.out_shape, dtype=c.region.out_dtype),
+            inputs[0].new_empty(c.rowstats_shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("flashlight::region_backward", mutates_args=())
-def region_backward(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
-    return REGISTRY[key].backward(list(inputs), grad)
+def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
+                    grad: torch.Tensor) -> list[torch.Tensor]:
+    return REGISTRY[key].backward(list(inputs), rowstats, grad)
 
 
 @region_backward.register_fake
-def _region_backward_fake(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+def _region_backward_fake(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
+                          grad: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty_like(x) for x in inputs]     # each gradient in its input's layout
 
 
 def _setup_context(ctx, inputs, output):
     key, tensors = inputs
     ctx.key = key
-    ctx.save_for_backward(*tensors)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*tensors, output[1])      # the inputs and O(M) row statistics
 
 
-def _backward(ctx, grad):
-    tensors = list(ctx.saved_tensors)
-    grads = region_backward(ctx.key, tensors, grad)
+def _backward(ctx, grad, _grad_rowstats):
+    *tensors, rowstats = ctx.saved_tensors
+    grads = region_backward(ctx.key, tensors, rowstats, grad)
     return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
 
 
