@@ -26,7 +26,7 @@ from ..ir.derivative import not_differentiable, tile, vjp
 from ..ir.region import rowstat_columns
 from ..sparsity import IntervalWriter, dead_predicate, useful
 from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
-from .kernel import CTX_K, CTX_Q, CTX_S, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile
+from .kernel import CTX_K, CTX_Q, CTX_S, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, short_expr
 
 
 def _same(ds: list[int]) -> int | None:
@@ -113,6 +113,7 @@ class BackwardWriter(KernelWriter):
         self.em = RowLoopEmitter()
         self.grads = grad_inputs(region)
         self.members = [j for j, red in enumerate(region.reductions) if red.kind != "max"]
+        self.accs: dict[str, dict[Expr, str]] = {}      # "dk"/"dv" -> operand expression -> register tile
 
     # -- gradients into loaded tensors ---------------------------------------------------------
     def scatter(self, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block) -> None:
@@ -143,7 +144,8 @@ class BackwardWriter(KernelWriter):
         r, em = self.r, self.em
         cols, _ = rowstat_columns(r)
         row = "pid_b * rowstats_sb + offs_m * rowstats_sm"
-        loop.lines.append("mask_mn = mask_m[:, None] & mask_n[None, :]")
+        loop.lines += ["mask_mn = mask_m[:, None] & mask_n[None, :]",
+                       "# the forward's softmax shifts, and dL/d(reduction) from the output expression"]
         for j, red in enumerate(r.reductions):
             if red.kind == "max":       # the shift the forward used, saved per row
                 loop.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
@@ -155,11 +157,13 @@ class BackwardWriter(KernelWriter):
                                   f" + {cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
         em.dot_names, operands = {}, {}
         used = sorted(set().union(*(refs(r.reductions[j].body, "dot") for j in self.members)))
-        for i in used:      # recompute the score tiles
+        loop.lines.append("# recompute the score tiles")
+        for i in used:
             q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
             k, kdt = self.dot_operand(r.dots[i].k, CTX_K, loop)
             loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
             em.dot_names[i], operands[i] = f"qk{i}", (q, qdt, k, kdt)
+        loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR")
         seeds: dict[Expr, Expr] = {}
         for j in self.members:
             red = r.reductions[j]
@@ -176,7 +180,8 @@ class BackwardWriter(KernelWriter):
                 ]
             seeds[red.body] = seeds[red.body] + tile(f"db{j}") if red.body in seeds else tile(f"db{j}")
         adjoints = vjp(seeds)
-        self.scatter(adjoints, CTX_S, loop)             # biases, tables (reductions: constant shifts)
+        loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK, dQ")
+        self.scatter(adjoints, CTX_S, loop)             # (the reductions read are constant shifts)
         for i in used:
             if dot(i) not in adjoints:
                 continue        # no gradient reaches this score tile (e.g. floor(s))
@@ -201,26 +206,29 @@ class BackwardWriter(KernelWriter):
 
     # -- whole kernel -------------------------------------------------------------------------
     def query_loop(self) -> list[str]:
-        """The loop over M blocks; with a useful mask, a tile the forward's dead predicate proves
-        empty is skipped (its contribution to every gradient is zero)."""
+        """The loop over query blocks. With a useful mask it runs over [first live, last live]
+        query block of this key block only — the forward's dead predicate, interval-tested for
+        every query block at once (a skipped tile contributes exactly zero to every gradient)."""
         loop = Block(parent=self.outer)
-        loop.lines += [
-            "offs_m = start_m + tl.arange(0, BLOCK_M)",
-            "mask_m = offs_m < M",
-            "pid_m = start_m // BLOCK_M",
-            "m_lo = start_m",
-            "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1",
-        ]
-        body = Block(parent=self.outer)
-        self.tile_body(body)
+        loop.lines += ["offs_m = start_m + tl.arange(0, BLOCK_M)", "mask_m = offs_m < M"]
+        self.tile_body(loop)
         dead = dead_predicate(self.r, self.r.passes()[0])
-        guard = []
+        bounds = "0, M, BLOCK_M"
         if self.sparse and useful(dead):
-            live = IntervalWriter(self.r, self.stats, loop.lines, self.em.fresh).live(dead)
-            guard = [f"if ({live}) & blk_valid:  # block sparsity: skip tiles where the scores are all masked"]
-        indent = "    " * (1 + len(guard))
-        return (["for start_m in range(0, M, BLOCK_M):"] + ["    " + x for x in loop.lines + guard]
-                + [indent + x for x in body.lines])
+            scan = ["pid_m = tl.arange(0, SCAN_BLOCKS)     # every query block, as a vector",
+                    "mblk_valid = pid_m < tl.cdiv(M, BLOCK_M)",
+                    "m_lo = pid_m * BLOCK_M",
+                    "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1"]
+            iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh, {"m": "mblk_valid", "n": "blk_valid"})
+            live = iw.live(dead)
+            lo, hi = self.em.fresh("lo"), self.em.fresh("hi")
+            self.outer.lines += [f"# block sparsity: visit only query blocks where not {short_expr(dead)}", *scan,
+                                 f"mblk_live = ({live}) & mblk_valid & blk_valid",
+                                 f"{lo} = tl.min(tl.where(mblk_live, pid_m, SCAN_BLOCKS), 0)",
+                                 f"{hi} = tl.max(tl.where(mblk_live, pid_m, -1), 0) + 1"]
+            bounds = f"{lo} * BLOCK_M, {hi} * BLOCK_M, BLOCK_M"
+        return ([f"for start_m in range({bounds}):"]
+                + ["    " + x for x in loop.lines])
 
     def signature(self) -> list[str]:
         args = []
@@ -235,12 +243,12 @@ class BackwardWriter(KernelWriter):
             args += [f"aux{k}_min", f"aux{k}_max"]
             args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
         args += [f"B{d}" for d in range(len(self.r.batch))] + ["M", "N"]
-        return args + ["DK: tl.constexpr", "DV: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-                       "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
+        return args + ["DK: tl.constexpr", "DV: tl.constexpr", "SCAN_BLOCKS: tl.constexpr",
+                       "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_DK: tl.constexpr",
+                       "BLOCK_DV: tl.constexpr"]
 
     def write(self) -> str:
         out = self.outer
-        self.accs: dict[str, dict[Expr, str]] = {}
         out.lines += [
             "pid_n = tl.program_id(0)", *batch_index(len(self.r.batch)),
             "start_n = pid_n * BLOCK_N",
@@ -252,7 +260,7 @@ class BackwardWriter(KernelWriter):
             "mask_dv = offs_dv < DV",
             "n_lo = start_n",
             "n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",
-            "blk = pid_n       # this program's key block, for the sparsity test",
+            "blk = pid_n       # this program's key block, for the sparsity scan",
             "blk_valid = n_lo < N",
         ]
         loop = self.query_loop()

@@ -176,7 +176,7 @@ class KernelWriter:
         live_v = "blk_valid" if live == "True" else f"({live}) & blk_valid"
         full_v = f"({may_f} == 0) & blk_live & (n_hi - n_lo == BLOCK_N - 1)" if may_f != "True" else "blk < 0"
         self.outer.lines += [
-            f"# block sparsity: skip key blocks where {_short(dead)}",
+            f"# block sparsity: skip key blocks where {short_expr(dead)}",
             "blk = tl.arange(0, SCAN_BLOCKS)",
             "blk_valid = blk < tl.cdiv(N, BLOCK_N)",
             "n_lo = blk * BLOCK_N",
@@ -267,7 +267,7 @@ def batch_index(nb: int) -> list[str]:
     return lines
 
 
-def _short(e: Expr, limit: int = 100) -> str:
+def short_expr(e: Expr, limit: int = 100) -> str:
     text = str(e)
     return text if len(text) <= limit else text[:limit] + "..."
 

@@ -131,7 +131,7 @@ def evaluate_with_rowstats(region: Region, inputs: Sequence[torch.Tensor]) -> tu
     out = ev.run()
     stats = [torch.where(torch.isneginf(x), 0.0, x) if r.kind == "max" else x
              for x, r in zip(ev.reds, region.reductions)]
-    return out, torch.cat([x.float() for x in stats], -1) if stats else out.new_empty((*out.shape[:-1], 0))
+    return out, torch.cat([x.float() for x in stats], -1)
 
 
 def row_gradients(region: Region, inputs: Sequence[torch.Tensor], rowstats: torch.Tensor,

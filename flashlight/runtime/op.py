@@ -25,7 +25,7 @@ from ..codegen.backward import grad_inputs
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate, evaluate_with_rowstats, row_gradients
 from ..ir.region import rowstat_columns
-from ..tune import Config, TuningCache, bucket, candidates, head_block
+from ..tune import Config, TuningCache, backward_candidates, bucket, candidates, head_block
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -49,6 +49,7 @@ class CompiledRegion:
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
     bwd_kernel: object = None        # generated backward, or None: the reference VJP (bwd_reason says why)
+    bwd_name: str = ""
     bwd_source: str = ""
     bwd_stats: list = field(default_factory=list)
     bwd_reason: str = ""
@@ -112,31 +113,35 @@ class CompiledRegion:
         self.launches += 1
         return out, rowstats
 
-    def config(self, inputs: list[torch.Tensor]) -> Config:
-        """Launch config for these sizes: memory, then disk, then autotuning (CUDA only)."""
+    def config(self, inputs: list[torch.Tensor], backward=None) -> Config:
+        """Launch config for these sizes: memory, then disk, then autotuning (CUDA only).
+        ``backward``: a launch function of a config for the backward kernel, tuned separately."""
         r = self.region
         shape_bucket = bucket(r.M, r.N, math.prod(r.batch))
-        if shape_bucket in self.tuned:          # the per-call path: one dict lookup
-            return self.tuned[shape_bucket]
+        mem_key = ("bwd", *shape_bucket) if backward else shape_bucket
+        if mem_key in self.tuned:          # the per-call path: one dict lookup
+            return self.tuned[mem_key]
         on_gpu = inputs[0].device.type == "cuda" and not interpreting()
-        configs = candidates(r.M, r.N, max(head_block(r.DK), head_block(r.DV)), on_gpu, len(r.dots))
+        block_d = max(head_block(r.DK), head_block(r.DV))
+        configs = backward_candidates(block_d, on_gpu) if backward else \
+            candidates(r.M, r.N, block_d, on_gpu, len(r.dots))
         if len(configs) > 1:
             key = TuningCache.key(shape_bucket, torch.cuda.get_device_name(inputs[0].device))
-            disk = TuningCache(self.path.parent, self.name)
+            disk = TuningCache(self.path.parent, self.bwd_name if backward else self.name)
             best = disk.load().get(key)
             if best is None:
-                best = self.autotune(inputs, configs)
+                best = self.autotune(backward or (lambda cfg: self.launch(inputs, cfg)), configs)
                 disk.store(key, best)
             configs = [best]
-        self.tuned[shape_bucket] = configs[0]
+        self.tuned[mem_key] = configs[0]
         return configs[0]
 
-    def autotune(self, inputs, configs: list[Config]) -> Config:
+    def autotune(self, launch, configs: list[Config]) -> Config:
         from triton.testing import do_bench
         best, best_t = configs[0], float("inf")
         for cfg in configs:
             try:
-                t = do_bench(lambda: self.launch(inputs, cfg), warmup=5, rep=20, return_mode="median")
+                t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
             except Exception:  # noqa: BLE001 — a config that does not fit (shared memory) is skipped
                 continue
             if t < best_t:
@@ -147,10 +152,22 @@ class CompiledRegion:
     def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
         if self.bwd_kernel is None or not self.uses_kernel(inputs):
             return self.reference_backward(inputs, grad)
+        drow, epilogue = row_gradients(self.region, inputs, rowstats, grad)
+        launch = lambda cfg: self.launch_backward(inputs, rowstats, drow, cfg)    # noqa: E731
+        bufs = launch(self.config(inputs, backward=launch))
+        grads = []
+        for i, x in enumerate(inputs):
+            g = bufs.get(i)
+            if i in epilogue:
+                g = epilogue[i].float() if g is None else g + epilogue[i]
+            grads.append(torch.zeros_like(x) if g is None else torch.empty_like(x).copy_(g))
+        return grads
+
+    def launch_backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, drow: torch.Tensor,
+                        cfg: Config) -> dict[int, torch.Tensor]:
+        """The generated backward kernel; returns the fp32 gradients it accumulated, by input."""
         r = self.region
-        drow, epilogue = row_gradients(r, inputs, rowstats, grad)
-        bufs = {i: torch.zeros(inputs[i].shape, dtype=torch.float32, device=grad.device) for i in grad_inputs(r)}
-        cfg = self.config(inputs)
+        bufs = {i: torch.zeros(inputs[i].shape, dtype=torch.float32, device=drow.device) for i in grad_inputs(r)}
         args: list = []
         for x in inputs:
             args += [x, *x.stride()]
@@ -160,16 +177,10 @@ class CompiledRegion:
         args += block_stat_args(self.bwd_stats, inputs, cfg)
         args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))
-        self.bwd_kernel[grid](*args, DK=r.DK, DV=r.DV, BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV),
-                              **cfg.as_kwargs())
+        self.bwd_kernel[grid](*args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.M, cfg.BLOCK_M)),
+                              BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
         self.bwd_launches += 1
-        grads = []
-        for i, x in enumerate(inputs):
-            g = bufs.get(i)
-            if i in epilogue:
-                g = epilogue[i].float() if g is None else g + epilogue[i]
-            grads.append(torch.zeros_like(x) if g is None else torch.empty_like(x).copy_(g))
-        return grads
+        return bufs
 
     def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
@@ -267,10 +278,10 @@ def compile_backward(c: CompiledRegion) -> None:
     except CodegenError as e:
         c.bwd_reason = str(e)
         return
-    name = f"fl_bwd_{source_hash(source)}"
-    c.bwd_source = source.replace(f"def {placeholder}(", f"def {name}(")
-    module, _ = load_module(name, c.bwd_source)
-    c.bwd_kernel = getattr(module, name)
+    c.bwd_name = f"fl_bwd_{source_hash(source)}"
+    c.bwd_source = source.replace(f"def {placeholder}(", f"def {c.bwd_name}(")
+    module, _ = load_module(c.bwd_name, c.bwd_source)
+    c.bwd_kernel = getattr(module, c.bwd_name)
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())
