@@ -21,12 +21,12 @@ from typing import Callable
 
 import torch
 
-from ..ir import Expr, Region, dot, free_vars, refs, walk
+from ..ir import Expr, Region, dot, free_vars, red, refs, walk
 from ..ir.derivative import not_differentiable, tile, vjp
 from ..ir.region import rowstat_columns
 from ..sparsity import IntervalWriter, dead_predicate, useful
 from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
-from .kernel import CTX_K, CTX_Q, CTX_S, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, short_expr
+from .kernel import CTX_K, CTX_O, CTX_Q, CTX_S, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, short_expr
 
 
 def _same(ds: list[int]) -> int | None:
@@ -85,17 +85,87 @@ def backward_support(region: Region) -> str | None:
             if op:
                 return f"no derivative rule for {op}"
     for d in region.dots:
-        op = not_differentiable(d.q) or not_differentiable(d.k)
+        op = not_differentiable(d.q) or not_differentiable(d.k) or not_differentiable(region.out)
         if op:
             return f"no derivative rule for {op}"
     return None
 
 
+def epilogue_grad_inputs(region: Region) -> list[int]:
+    """Float inputs the output expression loads (their gradients come from the row kernel)."""
+    return sorted({x.args[0] for x in walk(region.out) if x.op == "load" and x.kind == "f"})
+
+
 def grad_inputs(region: Region) -> list[int]:
-    """Float inputs the backward kernel writes gradients for: those the score program loads."""
+    """Float inputs the tile kernel writes gradients for: those the score program loads."""
     exprs = [e for d in region.dots for e in (d.q, d.k)]
     exprs += [e for r in region.reductions if r.kind != "max" for e in (r.body, r.v) if e is not None]
     return sorted({x.args[0] for e in exprs for x in walk(e) if x.op == "load" and x.kind == "f"})
+
+
+def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block) -> None:
+    """atomic_add every load's adjoint into its gradient buffer at the load's address, first
+    summed over the tile axes its index does not use (broadcast dims)."""
+    rows, cols, shape = TILE[ctx.name]
+    for x, g in adjoints.items():
+        if x.op != "load":
+            continue
+        val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
+        used = set().union(*(free_vars(i) for i in x.args[1]))
+        if rows not in used and cols not in used:
+            val = f"tl.sum(tl.sum({val}, 1), 0)"
+        elif rows not in used:
+            val = f"tl.sum({val}, 0, keep_dims=True)"
+        elif cols not in used:
+            val = f"tl.sum({val}, 1, keep_dims=True)"
+        ptr, mask = em.address(x, ctx, block, "g")
+        block.lines.append(f"tl.atomic_add({ptr}, {val}" + (f", mask={mask})" if mask else ")"))
+
+
+def row_gradient_kernel(region: Region, name: str) -> str:
+    """FA2's preprocessing step, generalised: one program per (M block, batch index) reverses
+    the output expression on [BLOCK_M, DV] tiles (``vjp`` of ``out`` with the adjoint dO) into
+    dL/dr_j for every reduction — stored in the layout of the row statistics, summed over dv for
+    a row value — and scatters the gradients of the inputs the epilogue reads (gates, lambda).
+    For ``out = acc / l`` this is dacc = dO / l and dl = -rowsum(dO * O) / l (FA2's D)."""
+    em, block, nb = Emitter(), Block(), len(region.batch)
+    cols, _ = rowstat_columns(region)
+    block.lines += [
+        "pid_m = tl.program_id(0)", *batch_index(nb),
+        "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "offs_dv = tl.arange(0, BLOCK_DV)",
+        "mask_m = offs_m < M",
+        "mask_dv = offs_dv < DV",
+        "mask_o = mask_m[:, None] & mask_dv[None, :]",
+        "row = pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm",
+        "do = tl.load(dout_ptr + " + " + ".join([f"b{d} * dout_s{d}" for d in range(nb)]
+                                               + [f"offs_m[:, None] * dout_s{nb}", f"offs_dv[None, :] * dout_s{nb + 1}"])
+        + ", mask=mask_o, other=0.0).to(tl.float32)",
+    ]
+    for j in sorted(refs(region.out, "red")):
+        reduction = region.reductions[j]
+        dv = " + offs_dv[None, :]" if reduction.kind == "dot" else ""
+        mask = "mask_o" if reduction.kind == "dot" else "mask_m[:, None]"
+        block.lines.append(f"r{j} = tl.load(rowstats_ptr + row + {cols[j]}{dv}, mask={mask}, other=0.0)")
+        em.red_names[j] = f"r{j}"
+    adjoints = vjp({region.out: tile("do")})
+    for j, reduction in enumerate(region.reductions):
+        if red(j) not in adjoints:
+            continue        # a max (a constant shift), or a reduction the output does not read
+        g = f"tl.where(mask_o, tl.broadcast_to({em.emit(adjoints[red(j)], CTX_O, block)}, [BLOCK_M, BLOCK_DV]), 0.0)"
+        if reduction.kind == "dot":
+            block.lines.append(f"tl.store(drow_ptr + row + {cols[j]} + offs_dv[None, :], {g}, mask=mask_o)")
+        else:
+            block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.sum({g}, 1, keep_dims=True), "
+                               "mask=mask_m[:, None])")
+    scatter(em, adjoints, CTX_O, block)
+    args = [a for i, x in enumerate(region.inputs) for a in [f"in{i}_ptr"] + [f"in{i}_s{d}" for d in range(len(x.shape))]]
+    args += [a for i in epilogue_grad_inputs(region) for a in [f"g{i}_ptr"] + [f"g{i}_s{d}" for d in range(len(region.inputs[i].shape))]]
+    args += ["dout_ptr", *[f"dout_s{d}" for d in range(nb + 2)], "rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm"]
+    args += [f"B{d}" for d in range(nb)] + ["M", "DV: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_DV: tl.constexpr"]
+    sig = ",\n".join("    " + a for a in args)
+    body = "\n".join("    " + line for line in block.lines)
+    return f"\n\n@triton.jit\ndef {name}(\n{sig},\n):\n{body}\n"
 
 
 class RowLoopEmitter(Emitter):
@@ -116,24 +186,6 @@ class BackwardWriter(KernelWriter):
         self.accs: dict[str, dict[Expr, str]] = {}      # "dk"/"dv" -> operand expression -> register tile
 
     # -- gradients into loaded tensors ---------------------------------------------------------
-    def scatter(self, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block) -> None:
-        """atomic_add every load's adjoint into its gradient buffer at the load's address, first
-        summed over the tile axes its index does not use (broadcast dims)."""
-        rows, cols, shape = TILE[ctx.name]
-        for x, g in adjoints.items():
-            if x.op != "load":
-                continue
-            val = f"tl.broadcast_to({self.em.emit(g, ctx, block)}, {shape})"
-            used = set().union(*(free_vars(i) for i in x.args[1]))
-            if rows not in used and cols not in used:
-                val = f"tl.sum(tl.sum({val}, 1), 0)"
-            elif rows not in used:
-                val = f"tl.sum({val}, 0, keep_dims=True)"
-            elif cols not in used:
-                val = f"tl.sum({val}, 1, keep_dims=True)"
-            ptr, mask = self.em.address(x, ctx, block, "g")
-            block.lines.append(f"tl.atomic_add({ptr}, {val}" + (f", mask={mask})" if mask else ")"))
-
     @staticmethod
     def cast(x: str, dt: torch.dtype) -> str:
         """An fp32 tile as a tl.dot operand of type ``dt`` (FA2 feeds P and dS in fp16/bf16)."""
@@ -181,7 +233,7 @@ class BackwardWriter(KernelWriter):
             seeds[red.body] = seeds[red.body] + tile(f"db{j}") if red.body in seeds else tile(f"db{j}")
         adjoints = vjp(seeds)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK, dQ")
-        self.scatter(adjoints, CTX_S, loop)             # (the reductions read are constant shifts)
+        scatter(self.em, adjoints, CTX_S, loop)             # (the reductions read are constant shifts)
         for i in used:
             if dot(i) not in adjoints:
                 continue        # no gradient reaches this score tile (e.g. floor(s))
@@ -192,7 +244,7 @@ class BackwardWriter(KernelWriter):
                 f"{self.acc('dk', r.dots[i].k)} += {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt)}",
                 f"dq{i} = {self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt)}",
             ]
-            self.scatter(vjp({r.dots[i].q: tile(f"dq{i}")}), CTX_Q, loop)
+            scatter(self.em, vjp({r.dots[i].q: tile(f"dq{i}")}), CTX_Q, loop)
 
     def acc(self, kind: str, e: Expr) -> str:
         """Register accumulator of the gradient of a K (dk, [DK, N]) or V (dv, [N, DV]) operand,
@@ -267,20 +319,21 @@ class BackwardWriter(KernelWriter):
         out.lines += loop
         out.lines.append("# gradients of the K and V operands, accumulated over all query blocks")
         for e, name in self.accs.get("dk", {}).items():
-            self.scatter(vjp({e: tile(name)}), CTX_K, out)
+            scatter(self.em, vjp({e: tile(name)}), CTX_K, out)
         for e, name in self.accs.get("dv", {}).items():
-            self.scatter(vjp({e: tile(name)}), CTX_V, out)
+            scatter(self.em, vjp({e: tile(name)}), CTX_V, out)
         body = "\n".join("    " + line for line in out.lines)
         sig = ",\n".join("    " + a for a in self.signature())
         doc = "\n".join("    # " + line for line in self.r.describe(sizes=False).splitlines())
         return (f"import triton\nimport triton.language as tl\n{HELPERS}\n\n@triton.jit\ndef {self.name}(\n{sig},\n):\n"
-                f"{doc}\n{body}\n")
+                f"{doc}\n{body}\n" + row_gradient_kernel(self.r, f"{self.name}_rows"))
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
                       sparse: bool = True):
-    """Triton source of the backward kernel and the per-block statistics its sparsity test reads;
-    raises CodegenError (the reason) when the region needs the reference backward."""
+    """Triton source of the backward kernels (``name``: the tile kernel; ``name_rows``: the row
+    gradients it reads, launched first) and the per-block statistics the tile kernel's sparsity
+    scan reads; raises CodegenError (the reason) when the region needs the reference backward."""
     reason = backward_support(region)
     if reason:
         raise CodegenError(reason)

@@ -29,10 +29,6 @@ def _tie_split(win: Expr, tie: Expr, g: Expr) -> Expr:
     return _where(win, g, _where(tie, g * 0.5, ZERO))
 
 
-def _safe_div(b: Expr, x: Expr) -> Expr:
-    return _where(call("eq", b, 0.0), ZERO, call("div", x, b))
-
-
 # op -> (y, g) -> one adjoint per argument (None: not differentiable through that argument).
 # ``y`` is the node itself (its arguments are y.args), ``g`` its adjoint.
 DERIVATIVE: dict[str, Callable[[Expr, Expr], tuple]] = {
@@ -40,7 +36,8 @@ DERIVATIVE: dict[str, Callable[[Expr, Expr], tuple]] = {
     "sub": lambda y, g: (g, call("neg", g)),
     "mul": lambda y, g: (g * y.args[1], g * y.args[0]),
     "div": lambda y, g: (call("div", g, y.args[1]), call("neg", call("div", g * y, y.args[1]))),  # d(a/b)/db = -y/b
-    "div_safe": lambda y, g: (_safe_div(y.args[1], g), call("neg", _safe_div(y.args[1], g * y))),  # 0 where b == 0
+    "div_safe": lambda y, g: (call("div_safe", g, y.args[1]),                        # 0 where b == 0, like y
+                              call("neg", call("div_safe", g * y, y.args[1]))),
     "neg": lambda y, g: (call("neg", g),),
     "maximum": lambda y, g: (_tie_split(call("gt", *y.args), call("eq", *y.args), g),
                              _tie_split(call("lt", *y.args), call("eq", *y.args), g)),

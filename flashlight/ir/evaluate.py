@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .expr import Expr, refs, walk
+from .expr import Expr, walk
 from .region import Region, rowstat_columns
 
 OPS: dict[str, Callable] = {
@@ -132,27 +132,3 @@ def evaluate_with_rowstats(region: Region, inputs: Sequence[torch.Tensor]) -> tu
     stats = [torch.where(torch.isneginf(x), 0.0, x) if r.kind == "max" else x
              for x, r in zip(ev.reds, region.reductions)]
     return out, torch.cat([x.float() for x in stats], -1)
-
-
-def row_gradients(region: Region, inputs: Sequence[torch.Tensor], rowstats: torch.Tensor,
-                  grad: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """The backward's row-level step (FA2's D = rowsum(dO * O), generalised): reverse mode over
-    the output expression, evaluated here on (*batch, M, DV) tiles — never on scores.
-
-    Returns the adjoint of every reduction's value in the layout of ``rowstats`` (fp32) and the
-    gradients of the float inputs the output expression itself reads (gates, lambda, ...)."""
-    cols, _ = rowstat_columns(region)
-    widths = [region.DV if r.kind == "dot" else 1 for r in region.reductions]
-    reds = [rowstats[..., c:c + w] for c, w in zip(cols, widths)]
-    pos = sorted(i for i in refs(region.out, "load") if inputs[i].is_floating_point())
-
-    def out_of(reds, floats):
-        xs = list(inputs)
-        for i, f in zip(pos, floats):
-            xs[i] = f
-        ev = Evaluator(region, xs)
-        ev.reds = list(reds)
-        return ev.full(ev.ctx_o(region.out), ev.ctx_o)
-    _, pull = torch.func.vjp(out_of, reds, [inputs[i] for i in pos])
-    dreds, dfloats = pull(grad.to(rowstats.dtype))
-    return torch.cat(dreds, -1).contiguous(), dict(zip(pos, dfloats))

@@ -21,9 +21,9 @@ import torch
 import triton
 
 from ..codegen import CodegenError, generate, generate_backward
-from ..codegen.backward import grad_inputs
+from ..codegen.backward import epilogue_grad_inputs, grad_inputs
 from ..ir import Region
-from ..ir.evaluate import compute_dtype, evaluate, evaluate_with_rowstats, row_gradients
+from ..ir.evaluate import compute_dtype, evaluate, evaluate_with_rowstats
 from ..ir.region import rowstat_columns
 from ..tune import Config, TuningCache, backward_candidates, bucket, candidates, head_block
 from .cache import load_module, source_hash
@@ -49,6 +49,7 @@ class CompiledRegion:
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
     bwd_kernel: object = None        # generated backward, or None: the reference VJP (bwd_reason says why)
+    bwd_rows_kernel: object = None   # its row-gradient step, launched first
     bwd_name: str = ""
     bwd_source: str = ""
     bwd_stats: list = field(default_factory=list)
@@ -152,28 +153,29 @@ class CompiledRegion:
     def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
         if self.bwd_kernel is None or not self.uses_kernel(inputs):
             return self.reference_backward(inputs, grad)
-        drow, epilogue = row_gradients(self.region, inputs, rowstats, grad)
-        launch = lambda cfg: self.launch_backward(inputs, rowstats, drow, cfg)    # noqa: E731
+        launch = lambda cfg: self.launch_backward(inputs, rowstats, grad, cfg)    # noqa: E731
         bufs = launch(self.config(inputs, backward=launch))
-        grads = []
-        for i, x in enumerate(inputs):
-            g = bufs.get(i)
-            if i in epilogue:
-                g = epilogue[i].float() if g is None else g + epilogue[i]
-            grads.append(torch.zeros_like(x) if g is None else torch.empty_like(x).copy_(g))
-        return grads
+        return [torch.empty_like(x).copy_(bufs[i]) if i in bufs else torch.zeros_like(x) for i, x in enumerate(inputs)]
 
-    def launch_backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, drow: torch.Tensor,
+    def launch_backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
                         cfg: Config) -> dict[int, torch.Tensor]:
-        """The generated backward kernel; returns the fp32 gradients it accumulated, by input."""
+        """The generated backward kernels (row gradients, then tiles); returns the fp32 gradients
+        they accumulated, by input."""
         r = self.region
-        bufs = {i: torch.zeros(inputs[i].shape, dtype=torch.float32, device=drow.device) for i in grad_inputs(r)}
-        args: list = []
+        tile_grads, row_grads = grad_inputs(r), epilogue_grad_inputs(r)
+        bufs = {i: torch.zeros(inputs[i].shape, dtype=torch.float32, device=grad.device)
+                for i in sorted(set(tile_grads) | set(row_grads))}
+        drow = torch.zeros_like(rowstats)
+        common: list = []
         for x in inputs:
-            args += [x, *x.stride()]
-        for b in bufs.values():
-            args += [b, *b.stride()]
-        args += [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1]]
+            common += [x, *x.stride()]
+        strides = [r.M * rowstats.shape[-1], rowstats.shape[-1]]
+        args = common + [a for i in row_grads for a in (bufs[i], *bufs[i].stride())]
+        args += [grad, *grad.stride(), rowstats, drow, *strides, *r.batch, r.M]
+        self.bwd_rows_kernel[(triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
+            *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
+        args = common + [a for i in tile_grads for a in (bufs[i], *bufs[i].stride())]
+        args += [rowstats, drow, *strides]
         args += block_stat_args(self.bwd_stats, inputs, cfg)
         args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))
@@ -279,9 +281,9 @@ def compile_backward(c: CompiledRegion) -> None:
         c.bwd_reason = str(e)
         return
     c.bwd_name = f"fl_bwd_{source_hash(source)}"
-    c.bwd_source = source.replace(f"def {placeholder}(", f"def {c.bwd_name}(")
+    c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and {placeholder}_rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
-    c.bwd_kernel = getattr(module, c.bwd_name)
+    c.bwd_kernel, c.bwd_rows_kernel = getattr(module, c.bwd_name), getattr(module, f"{c.bwd_name}_rows")
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())

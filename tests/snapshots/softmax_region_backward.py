@@ -113,3 +113,52 @@ def fl_bwd_snapshot(
     # gradients of the K and V operands, accumulated over all query blocks
     tl.atomic_add(g1_ptr + b0 * g1_s0 + offs_n[None, :] * g1_s1 + offs_dk[:, None] * g1_s2, tl.broadcast_to(dk0, [BLOCK_DK, BLOCK_N]), mask=mask_dk[:, None] & mask_n[None, :])
     tl.atomic_add(g2_ptr + b0 * g2_s0 + offs_n[:, None] * g2_s1 + offs_dv[None, :] * g2_s2, tl.broadcast_to(dv0, [BLOCK_N, BLOCK_DV]), mask=mask_dv[None, :] & mask_n[:, None])
+
+
+@triton.jit
+def fl_bwd_snapshot_rows(
+    in0_ptr,
+    in0_s0,
+    in0_s1,
+    in0_s2,
+    in1_ptr,
+    in1_s0,
+    in1_s1,
+    in1_s2,
+    in2_ptr,
+    in2_s0,
+    in2_s1,
+    in2_s2,
+    dout_ptr,
+    dout_s0,
+    dout_s1,
+    dout_s2,
+    rowstats_ptr,
+    drow_ptr,
+    rowstats_sb,
+    rowstats_sm,
+    B0,
+    M,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    b0 = pid_b % B0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_m = offs_m < M
+    mask_dv = offs_dv < DV
+    mask_o = mask_m[:, None] & mask_dv[None, :]
+    row = pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm
+    do = tl.load(dout_ptr + b0 * dout_s0 + offs_m[:, None] * dout_s1 + offs_dv[None, :] * dout_s2, mask=mask_o, other=0.0).to(tl.float32)
+    r1 = tl.load(rowstats_ptr + row + 1, mask=mask_m[:, None], other=0.0)
+    r2 = tl.load(rowstats_ptr + row + 2 + offs_dv[None, :], mask=mask_o, other=0.0)
+    t1 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
+    t2 = (do * t1)
+    t3 = (tl.where(r1 == 0, 0.0, t2 / tl.where(r1 == 0, 1.0, r1)))
+    t4 = (-t3)
+    tl.store(drow_ptr + row + 1, tl.sum(tl.where(mask_o, tl.broadcast_to(t4, [BLOCK_M, BLOCK_DV]), 0.0), 1, keep_dims=True), mask=mask_m[:, None])
+    t5 = (tl.where(r1 == 0, 0.0, do / tl.where(r1 == 0, 1.0, r1)))
+    tl.store(drow_ptr + row + 2 + offs_dv[None, :], tl.where(mask_o, tl.broadcast_to(t5, [BLOCK_M, BLOCK_DV]), 0.0), mask=mask_o)
