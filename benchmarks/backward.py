@@ -3,8 +3,9 @@ flashlight's generated backward against FlexAttention's (cached block mask).
 
     python -m benchmarks.backward [--n 4096] [--b 4] [--h 16] [--d 64] [--variants a,b]
 
-Per variant (bf16 on CUDA): which backward flashlight used (``explain``), relative error of the
-q/k/v gradients of flashlight and flex against fp32 eager autograd, median ``do_bench`` time of
+Per variant (bf16 on CUDA): which backward flashlight used (``explain``), the largest relative
+error over the gradients of all floating inputs (flashlight) or of q, k, v (flex) against fp32
+eager autograd, median ``do_bench`` time of
 the forward alone and of forward + backward (``torch.autograd.grad`` with a fixed dO), and
 ``xflex = flex ms / flashlight ms`` for forward + backward. Results go to ``$OUT/backward.csv``
 when ``OUT`` is set, else ``--out``. ``--device cpu`` (with ``TRITON_INTERPRET=1``) only
@@ -58,13 +59,14 @@ def run_variant(name: str, args, bench) -> dict:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     inputs = [x.requires_grad_() if x.is_floating_point() else x
               for x in mod.make_inputs(args.b, args.h, M=args.n, D=args.d, dtype=dtype, device=args.device)]
-    qkv = inputs[:3]
+    leaves, qkv = [x for x in inputs if x.is_floating_point()], inputs[:3]
     fl = torch.compile(mod.attention, backend="flashlight", dynamic=False)
     dout = torch.randn_like(fl(*inputs))
 
     ref32 = [to_fp32(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
-    ref = notes.attempt("reference", lambda: step(lambda: mod.attention(*ref32).nan_to_num(0), ref32[:3],
-                                                  dout.float()), default=None)
+    ref = notes.attempt("reference", lambda: step(lambda: mod.attention(*ref32).nan_to_num(0),
+                                                  [x for x in ref32 if x.is_floating_point()], dout.float()),
+                        default=None)
 
     def gerr(grads):
         return max(rel_error(a, b) for a, b in zip(grads, ref)) if ref is not None else NAN
@@ -73,11 +75,12 @@ def run_variant(name: str, args, bench) -> dict:
     if report is not None and report.regions:
         row["backward"] = report.regions[0].backward.split(" (")[0]
     before = {k: c.bwd_launches for k, c in REGISTRY.items()}
-    row["gerr_flashlight"] = notes.attempt("flashlight grads", lambda: gerr(step(lambda: fl(*inputs), qkv, dout)))
+    row["gerr_flashlight"] = notes.attempt("flashlight grads", lambda: gerr(step(lambda: fl(*inputs), leaves, dout)))
     if not any(c.bwd_launches > before.get(k, 0) for k, c in REGISTRY.items()):
         notes.items.append("generated backward did not run")
     row["ms_fwd_flashlight"] = notes.attempt("fwd flashlight", lambda: bench(lambda: fl(*inputs)))
-    row["ms_step_flashlight"] = notes.attempt("step flashlight", lambda: bench(lambda: step(lambda: fl(*inputs), qkv, dout)))
+    row["ms_step_flashlight"] = notes.attempt("step flashlight",
+                                              lambda: bench(lambda: step(lambda: fl(*inputs), leaves, dout)))
 
     bm = notes.attempt("create_block_mask", lambda: fe.make_block_mask(name, inputs), default="fail")
     if bm != "fail":

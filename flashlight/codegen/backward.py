@@ -3,8 +3,8 @@ query blocks, recomputes the score tiles and reduction bodies from the saved row
 reverses the bodies with ``ir.derivative.vjp``.
 
 Per (M block, N block) tile, for the reductions of the region (r_j = sum_n body_j, or
-r_j = sum_n body_j V_j for a P @ V product), given the row gradients dR_j that
-``ir.evaluate.row_gradients`` derived from the output expression::
+r_j = sum_n body_j V_j for a P @ V product), given the row gradients dR_j that a first kernel
+(``row_gradient_kernel``) derived from the output expression::
 
     d body_j = dR_j (sum)  or  dR_j @ V_j^T (P @ V)         dV_j += body_j^T @ dR_j
     (d dot_i, d loads) = vjp of the bodies                  dK_i += dS_i^T @ Q_i,  dQ_i += dS_i @ K_i
@@ -69,23 +69,21 @@ def backward_support(region: Region) -> str | None:
     when the output is homogeneous of degree 0 in them the total derivative through m is zero and
     m is a constant in the backward. Bodies may read no other reduction (a row gradient of a sum
     read inside a body would need a pass over N before the tile loop)."""
-    for j, red in enumerate(region.reductions):
-        if red.kind == "max":
+    for j, r in enumerate(region.reductions):
+        if r.kind == "max":
             if j in refs(region.out, "red"):
                 return f"the output reads the maximum red{j} itself"
-            group = {k for k, r in enumerate(region.reductions) if r.online == j}
+            group = {k for k, o in enumerate(region.reductions) if o.online == j}
             if degree(region.out, group) != 0:
                 return f"the output is not invariant to the shift red{j}"
             continue
-        other = refs(red.body, "red") - {red.online}
+        other = refs(r.body, "red") - {r.online}
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
-        for e in (red.body, red.v):
-            op = e is not None and not_differentiable(e)
-            if op:
-                return f"no derivative rule for {op}"
-    for d in region.dots:
-        op = not_differentiable(d.q) or not_differentiable(d.k) or not_differentiable(region.out)
+    exprs = [region.out] + [e for d in region.dots for e in (d.q, d.k)]
+    exprs += [e for r in region.reductions if r.kind != "max" for e in (r.body, r.v) if e is not None]
+    for e in exprs:
+        op = not_differentiable(e)
         if op:
             return f"no derivative rule for {op}"
     return None
@@ -182,31 +180,55 @@ class BackwardWriter(KernelWriter):
         super().__init__(region, name, allow_tf32, interpret, sparse)
         self.em = RowLoopEmitter()
         self.grads = grad_inputs(region)
-        self.members = [j for j, red in enumerate(region.reductions) if red.kind != "max"]
+        self.members = [j for j, rd in enumerate(region.reductions) if rd.kind != "max"]
         self.accs: dict[str, dict[Expr, str]] = {}      # "dk"/"dv" -> operand expression -> register tile
 
-    # -- gradients into loaded tensors ---------------------------------------------------------
     @staticmethod
     def cast(x: str, dt: torch.dtype) -> str:
         """An fp32 tile as a tl.dot operand of type ``dt`` (FA2 feeds P and dS in fp16/bf16)."""
         return x if dt == torch.float32 else f"{x}.to({TL_DTYPE[dt]})"
 
     # -- one (M block, N block) tile ------------------------------------------------------------
-    def tile_body(self, loop: Block) -> None:
-        r, em = self.r, self.em
-        cols, _ = rowstat_columns(r)
+    def row_values(self, loop: Block) -> None:
+        """The forward's softmax shifts (saved per row) and dL/dr_j (from the row kernel)."""
+        cols, _ = rowstat_columns(self.r)
         row = "pid_b * rowstats_sb + offs_m * rowstats_sm"
         loop.lines += ["mask_mn = mask_m[:, None] & mask_n[None, :]",
                        "# the forward's softmax shifts, and dL/d(reduction) from the output expression"]
-        for j, red in enumerate(r.reductions):
-            if red.kind == "max":       # the shift the forward used, saved per row
+        for j, rd in enumerate(self.r.reductions):
+            if rd.kind == "max":
                 loop.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
-                em.red_names[j] = f"r{j}_s"
-            elif red.kind == "sum":     # dL/dr_j, from the output expression
+                self.em.red_names[j] = f"r{j}_s"
+            elif rd.kind == "sum":
                 loop.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
             else:
                 loop.lines.append(f"dr{j} = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
                                   f" + {cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
+
+    def body_seeds(self, loop: Block) -> dict[Expr, Expr]:
+        """The adjoint of every reduction body on this tile; accumulates dV on the way."""
+        r, em = self.r, self.em
+        loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR")
+        seeds: dict[Expr, Expr] = {}
+        for j in self.members:
+            rd = r.reductions[j]
+            if rd.kind == "sum":       # d body = dR_j, broadcast along n
+                loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
+            else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j
+                v, vdt = self.dot_operand(rd.v, CTX_V, loop)
+                p = full_tile(em.emit(rd.body, CTX_S, loop), rd.body, CTX_S, r)
+                dr = self.cast(f"dr{j}", vdt)
+                loop.lines += [
+                    f"db{j} = tl.where(mask_mn, {self.tl_dot(dr, f'tl.trans({v})', vdt)}, 0.0)",
+                    f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}",
+                    f"{self.acc('dv', rd.v)} += {self.tl_dot(f'tl.trans(p{j})', dr, vdt)}",
+                ]
+            seeds[rd.body] = seeds[rd.body] + tile(f"db{j}") if rd.body in seeds else tile(f"db{j}")
+        return seeds
+
+    def tile_body(self, loop: Block) -> None:
+        r, em = self.r, self.em
+        self.row_values(loop)
         em.dot_names, operands = {}, {}
         used = sorted(set().union(*(refs(r.reductions[j].body, "dot") for j in self.members)))
         loop.lines.append("# recompute the score tiles")
@@ -215,23 +237,7 @@ class BackwardWriter(KernelWriter):
             k, kdt = self.dot_operand(r.dots[i].k, CTX_K, loop)
             loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
             em.dot_names[i], operands[i] = f"qk{i}", (q, qdt, k, kdt)
-        loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR")
-        seeds: dict[Expr, Expr] = {}
-        for j in self.members:
-            red = r.reductions[j]
-            if red.kind == "sum":       # d body = dR_j, broadcast along n
-                loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
-            else:                       # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j
-                v, vdt = self.dot_operand(red.v, CTX_V, loop)
-                p = full_tile(em.emit(red.body, CTX_S, loop), red.body, CTX_S, r)
-                dr = self.cast(f"dr{j}", vdt)
-                loop.lines += [
-                    f"db{j} = tl.where(mask_mn, {self.tl_dot(dr, f'tl.trans({v})', vdt)}, 0.0)",
-                    f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}",
-                    f"{self.acc('dv', red.v)} += {self.tl_dot(f'tl.trans(p{j})', dr, vdt)}",
-                ]
-            seeds[red.body] = seeds[red.body] + tile(f"db{j}") if red.body in seeds else tile(f"db{j}")
-        adjoints = vjp(seeds)
+        adjoints = vjp(self.body_seeds(loop))
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK, dQ")
         scatter(self.em, adjoints, CTX_S, loop)             # (the reductions read are constant shifts)
         for i in used:

@@ -153,7 +153,8 @@ class CompiledRegion:
     def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
         if self.bwd_kernel is None or not self.uses_kernel(inputs):
             return self.reference_backward(inputs, grad)
-        launch = lambda cfg: self.launch_backward(inputs, rowstats, grad, cfg)    # noqa: E731
+        def launch(cfg: Config) -> dict[int, torch.Tensor]:
+            return self.launch_backward(inputs, rowstats, grad, cfg)
         bufs = launch(self.config(inputs, backward=launch))
         return [torch.empty_like(x).copy_(bufs[i]) if i in bufs else torch.zeros_like(x) for i, x in enumerate(inputs)]
 
