@@ -10,7 +10,6 @@ from flashlight.examples import NAMES, VARIANTS
 from flashlight.ir import Input, Reduction, Region, call, load, red, var
 from flashlight.ir.derivative import DERIVATIVE, vjp
 from flashlight.ir.evaluate import Evaluator
-from flashlight.runtime.op import REGISTRY
 from helpers import check_grads
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 
 from .expr import Expr, walk
-from .region import Region, rowstat_columns
+from .region import Region
 
 OPS: dict[str, Callable] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
