@@ -59,8 +59,9 @@ def lower(region: Region, max_autotune: bool = False):
 def replace(graph: fx.Graph, match: Match, key: str) -> None:
     with graph.inserting_before(match.root):
         call = graph.call_function(torch.ops.flashlight.region.default, (key, list(match.leaves)))
-    call.meta.update(match.root.meta)
-    match.root.replace_all_uses_with(call)
+        out = graph.call_function(operator.getitem, (call, 0))      # [1]: row statistics for autograd
+    out.meta.update(match.root.meta)
+    match.root.replace_all_uses_with(out)
 
 
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:

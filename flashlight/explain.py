@@ -67,12 +67,14 @@ class RegionReport:
     ir: str
     kernel_source: str
     skipped: float | None = None     # fraction of key blocks the kernel skipped on these inputs
+    backward: str = ""               # which backward the region uses, and why
+    backward_source: str = ""        # the generated backward kernel ("" for the reference VJP)
 
     def __str__(self) -> str:
         s = ", ".join(f"{k}={v}" for k, v in self.shapes.items())
         skip = f"  blocks skipped: {self.skipped:.0%}" if self.skipped else ""
         return f"{self.kernel}  [{s}]  features: {', '.join(self.features) or '-'}{skip}" + \
-            (f"\n      at {self.source}" if self.source else "")
+            f"\n      backward: {self.backward}" + (f"\n      at {self.source}" if self.source else "")
 
 
 @dataclass
@@ -91,7 +93,10 @@ class Report:
 def region_report(c) -> RegionReport:
     r = c.region
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
-    return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped)
+    backward = "generated (float64 inputs use the reference VJP)" if c.bwd_kernel is not None else \
+        f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
+    return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
+                        backward, c.bwd_source)
 
 
 def explain(fn, *args, **kwargs) -> Report:

@@ -147,8 +147,10 @@ def check(p: Program, tol: float = 1e-3) -> tuple[bool, bool, str]:
         g64 = torch.autograd.grad(p.fn(*leaves64).nan_to_num(0).sum(), [x for x in leaves64 if x.requires_grad],
                                   allow_unused=True)
         pairs = [(a, b) for a, b in zip(g, g64) if a is not None and b is not None]
+        if any(b.isnan().any() for _, b in pairs):
+            return ok, bool(report.regions), msg + " grad skipped (eager NaN: a fully masked row)"
         # relative to the gradients' scale: some are analytically 0 (a per-row bias under softmax)
-        scale = max((b.double().norm().item() for _, b in pairs), default=1.0)
+        scale = max((b.double().norm().item() for _, b in pairs), default=1.0) or 1.0
         gerr = max(((a.double() - b).norm().item() / max(b.norm().item(), 1e-3 * scale) for a, b in pairs),
                    default=0.0)
         msg += f" grad_err={gerr:.2e}"

@@ -40,10 +40,18 @@ def grads(fn, inputs, fp64: bool):
     return torch.autograd.grad((out * w).sum(), [x for x in leaves if x.requires_grad])
 
 
-def check_grads(fn, inputs, tol=1e-3):
-    """``fn`` compiled with flashlight has the gradients of float64 eager, input by input."""
+def check_grads(fn, inputs, tol=1e-3, generated=True, ref_fn=None):
+    """``fn`` compiled with flashlight has the gradients of float64 eager (of ``ref_fn`` when
+    given), input by input; with ``generated``, every region that ran used its generated
+    backward kernel (its launch counter moved), else none did."""
+    before = {k: (c.launches, c.bwd_launches) for k, c in REGISTRY.items()}
     got = grads(torch.compile(fn, backend="flashlight"), inputs, fp64=False)
-    ref = grads(fn, inputs, fp64=True)
+    ref = grads(ref_fn or fn, inputs, fp64=True)
     assert len(got) == len(ref)
-    for a, b in zip(got, ref):
-        assert rel_error(a, b) < tol
+    for i, (a, b) in enumerate(zip(got, ref)):
+        err = rel_error(a, b)
+        assert err < tol, f"gradient {i}: rel error {err:.3e}"
+    ran = {k: c for k, c in REGISTRY.items() if c.launches > before.get(k, (0, 0))[0]}
+    assert ran, "no fused region ran"
+    for k, c in ran.items():
+        assert (c.bwd_launches > before.get(k, (0, 0))[1]) == generated, c.bwd_reason

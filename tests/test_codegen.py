@@ -3,9 +3,10 @@ a snapshot makes any change in the generated source visible in review."""
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
-from flashlight.codegen import generate
+from flashlight.codegen import generate, generate_backward
 from flashlight.ir import Reduction, call, const, dot, red, var
 from flashlight.ir.evaluate import evaluate
 from flashlight.rewrite import rewrite
@@ -14,6 +15,7 @@ from flashlight.testing import rel_error
 from test_ir import softmax_region
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "softmax_region.py"
+BACKWARD_SNAPSHOT = Path(__file__).parent / "snapshots" / "softmax_region_backward.py"
 m, n = var("m"), var("n")
 
 
@@ -22,11 +24,14 @@ def run_both(region, *inputs):
     return c.forward(list(inputs)), evaluate(c.region, list(inputs))
 
 
-def test_snapshot_of_softmax_kernel():
-    src, _ = generate(rewrite(softmax_region()), "fl_fwd_snapshot")
-    if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not SNAPSHOT.exists():
-        SNAPSHOT.write_text(src)
-    assert src == SNAPSHOT.read_text(), "generated source changed: review, then UPDATE_SNAPSHOTS=1"
+@pytest.mark.parametrize("gen, path, name", [(generate, SNAPSHOT, "fl_fwd_snapshot"),
+                                             (generate_backward, BACKWARD_SNAPSHOT, "fl_bwd_snapshot")],
+                         ids=["forward", "backward"])
+def test_snapshot_of_softmax_kernels(gen, path, name):
+    src, _ = gen(rewrite(softmax_region()), name)
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not path.exists():
+        path.write_text(src)
+    assert src == path.read_text(), "generated source changed: review, then UPDATE_SNAPSHOTS=1"
 
 
 def test_multi_pass_kernel_matches_evaluator():

@@ -128,7 +128,7 @@ class Emitter:
             b = b.parent
         target = self.home(x, block)
         code = self._code(x, ctx, target)
-        if x.op in ("var", "const", "red", "dot") or (x.op == "load" and x.kind != "f"):
+        if x.op in ("var", "const", "red", "dot", "tile") or (x.op == "load" and x.kind != "f"):
             target.names[key] = code
             return
         name = self.fresh("t")
@@ -155,6 +155,8 @@ class Emitter:
             return self.red_names[x.args[0]]
         if x.op == "dot":
             return self.dot_names[x.args[0]]
+        if x.op == "tile":
+            return x.args[0]
         if x.op == "load":
             raw = self.load(x, ctx, block)
             return _cast_f(raw) if x.kind == "f" else raw
@@ -166,7 +168,6 @@ class Emitter:
 
     def load(self, x: Expr, ctx: Ctx, block: Block) -> str:
         """The raw (un-cast) load of ``x``, emitted once per context."""
-        i, idx = x.args
         key = ("raw", ctx.name, x)
         b = block
         while b is not None:
@@ -174,18 +175,24 @@ class Emitter:
                 return b.names[key]
             b = b.parent
         block = self.home(x, block)
+        ptr, mask = self.address(x, ctx, block, "in")
+        mask = f", mask={mask}, other=0" if mask else ""
+        name = self.fresh("ld")
+        block.lines.append(f"{name} = tl.load({ptr}{mask})")
+        block.names[key] = name
+        return name
+
+    def address(self, x: Expr, ctx: Ctx, block: Block, base: str) -> tuple[str, str]:
+        """Pointer tile and bounds mask ('' when none) of load ``x`` in the tensor ``{base}{i}``
+        (``in``: the input; the backward's ``g``: its fp32 gradient buffer)."""
+        i, idx = x.args
         for ie in idx:
             self.emit(ie, ctx, block)
         terms = []
         for d, ie in enumerate(idx):
             if ie.op == "const" and ie.args[0] == 0:
                 continue
-            terms.append(f"{self._lookup(ie, ctx, block)} * in{i}_s{d}")
+            terms.append(f"{self._lookup(ie, ctx, block)} * {base}{i}_s{d}")
         used = set().union(*(free_vars(ie) for ie in idx)) if idx else set()
         masks = [ctx.masks[v] for v in sorted(used) if v in ctx.masks]
-        ptr = " + ".join([f"in{i}_ptr"] + terms)
-        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
-        name = self.fresh("ld")
-        block.lines.append(f"{name} = tl.load({ptr}{mask})")
-        block.names[key] = name
-        return name
+        return " + ".join([f"{base}{i}_ptr"] + terms), " & ".join(masks)

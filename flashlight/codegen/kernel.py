@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import Expr, Region, free_vars, refs
+from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
 
@@ -194,7 +195,7 @@ class KernelWriter:
         live_v = "blk_valid" if live == "True" else f"({live}) & blk_valid"
         full_v = f"({may_f} == 0) & blk_live & (n_hi - n_lo == BLOCK_N - 1)" if may_f != "True" else "blk < 0"
         self.outer.lines += [
-            f"# block sparsity: skip key blocks where {_short(dead)}",
+            f"# block sparsity: skip key blocks where {short_expr(dead)}",
             "blk = tl.arange(0, SCAN_BLOCKS)",
             "blk_valid = blk < tl.cdiv(N, BLOCK_N)",
             "n_lo = blk * BLOCK_N",
@@ -211,6 +212,17 @@ class KernelWriter:
         ]
         return [("", [(lo, f0, False), (f0, f1, True), (f1, hi, False)])]
 
+    def store_rowstats(self) -> None:
+        """Every reduction's final value, for the generated backward (O(M) per row: no scores)."""
+        self.outer.lines.append("# statistics for the backward (see rowstat_columns)")
+        row = "rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
+        for j, (red, c) in enumerate(zip(self.r.reductions, rowstat_columns(self.r)[0])):
+            if red.kind == "dot":
+                self.outer.lines.append(f"tl.store({row} + {c} + offs_dv[None, :], r{j}, "
+                                        "mask=mask_m[:, None] & mask_dv[None, :])")
+            else:
+                self.outer.lines.append(f"tl.store({row} + {c}, {self.em.red_names[j]}, mask=mask_m[:, None])")
+
     # -- whole kernel -------------------------------------------------------------------------
     def signature(self) -> list[str]:
         args = []
@@ -220,6 +232,7 @@ class KernelWriter:
         nb = len(self.r.batch)
         args.append("out_ptr")
         args += [f"out_s{d}" for d in range(len(self.r.result_shape))]
+        args += ["rowstats_ptr", "rowstats_sb", "rowstats_sm"]
         for k, st in enumerate(self.stats):
             args += [f"aux{k}_min", f"aux{k}_max"]
             args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
@@ -232,13 +245,7 @@ class KernelWriter:
     def write(self) -> str:
         r, out = self.r, self.outer
         nb = len(r.batch)
-        out.lines += ["pid_m = tl.program_id(0)", "pid_b = tl.program_id(1).to(tl.int64)"]
-        rest = "pid_b"
-        for d in reversed(range(nb)):
-            out.lines.append(f"b{d} = {rest} % B{d}")
-            if d:
-                out.lines.append(f"rest{d} = {rest} // B{d}")
-                rest = f"rest{d}"
+        out.lines += ["pid_m = tl.program_id(0)", *batch_index(nb)]
         out.lines += [
             "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
             "offs_dk = tl.arange(0, BLOCK_DK)",
@@ -253,6 +260,7 @@ class KernelWriter:
         for p, members in enumerate(r.passes()):
             out.lines.append(f"# pass {p}: reductions {members} over N")
             self.write_pass(members)
+        self.store_rowstats()
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
         val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
@@ -271,7 +279,18 @@ class KernelWriter:
                 f"{doc}\n{body}\n")
 
 
-def _short(e: Expr, limit: int = 100) -> str:
+def batch_index(nb: int) -> list[str]:
+    """The batch indices b0.. of this program from grid axis 1 (row-major, b0 slowest)."""
+    lines, rest = ["pid_b = tl.program_id(1).to(tl.int64)"], "pid_b"
+    for d in reversed(range(nb)):
+        lines.append(f"b{d} = {rest} % B{d}")
+        if d:
+            lines.append(f"rest{d} = {rest} // B{d}")
+            rest = f"rest{d}"
+    return lines
+
+
+def short_expr(e: Expr, limit: int = 100) -> str:
     text = str(e)
     return text if len(text) <= limit else text[:limit] + "..."
 

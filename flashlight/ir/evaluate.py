@@ -133,3 +133,12 @@ def evaluate(region: Region, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Run ``region`` on ``inputs``; returns its result (*batch, M, DV, or ``out_shape``) in the
     compute dtype."""
     return Evaluator(region, inputs).run()
+
+
+def evaluate_with_rowstats(region: Region, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``evaluate``, and the fp32 row statistics the forward kernel saves (``rowstat_columns``)."""
+    ev = Evaluator(region, inputs)
+    out = ev.run()
+    stats = [torch.where(torch.isneginf(x), 0.0, x) if r.kind == "max" else x
+             for x, r in zip(ev.reds, region.reductions)]
+    return out, torch.cat([x.float() for x in stats], -1)

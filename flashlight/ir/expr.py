@@ -11,6 +11,7 @@ Leaves:
     load(i, idx)   element ``idx`` of the region's i-th input tensor
     dot(i)         the i-th score contraction ``sum_dk q_i[b, m, dk] * k_i[b, n, dk]``
     red(j)         the value of the region's j-th reduction over N (a row value)
+    tile(name)     a value computed by a kernel writer (backward seeds, see ir/derivative.py)
 """
 from __future__ import annotations
 
@@ -206,7 +207,7 @@ def coerce(x: Expr, kind: str) -> Expr:
 def children(e: Expr) -> tuple[Expr, ...]:
     if e.op == "load":
         return e.args[1]
-    if e.op in ("var", "const", "dot", "red"):
+    if e.op in ("var", "const", "dot", "red", "tile"):
         return ()
     return e.args
 
@@ -267,6 +268,6 @@ def fmt(e: Expr) -> str:
         return repr(v) if not (isinstance(v, float) and math.isinf(v)) else ("-inf" if v < 0 else "inf")
     if e.op == "load":
         return f"in{e.args[0]}[{', '.join(fmt(i) for i in e.args[1])}]"
-    if e.op in ("dot", "red"):
+    if e.op in ("dot", "red", "tile"):
         return f"{e.op}{e.args[0]}"
     return f"{e.op}({', '.join(fmt(a) for a in e.args)})"

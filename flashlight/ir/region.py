@@ -125,6 +125,17 @@ class Region:
         return "\n".join(lines)
 
 
+def rowstat_columns(region: Region) -> tuple[list[int], int]:
+    """Layout of the fp32 statistics the forward saves for the backward, [*batch, M, W]: each
+    reduction's final value from its first column (one for max and sum, DV for a P @ V product);
+    a max is stored as the shift the bodies used (-inf -> 0). Returns (first columns, W)."""
+    cols, w = [], 0
+    for red in region.reductions:
+        cols.append(w)
+        w += region.DV if red.kind == "dot" else 1
+    return cols, w
+
+
 class VerifyError(AssertionError):
     pass
 

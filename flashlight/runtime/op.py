@@ -4,7 +4,11 @@ The op takes the region's key and its input tensors. It has a fake implementatio
 and registered autograd, so Dynamo, AOT autograd, Inductor and CUDA graphs treat it as opaque.
 On CUDA it launches the generated kernel; on CPU it runs the same kernel under the Triton
 interpreter when ``TRITON_INTERPRET=1``, and otherwise the region's reference evaluator.
-The backward (``flashlight::region_backward``) currently differentiates the reference evaluator.
+The op also returns the fp32 row statistics of every reduction (``ir.region.rowstat_columns``),
+which autograd saves with the inputs — never a score-sized tensor. The backward
+(``flashlight::region_backward``) launches the generated FA2-style kernel (``codegen/backward.py``)
+when the region supports it and the inputs run kernels; otherwise (float64, unsupported regions)
+it differentiates the reference evaluator.
 """
 from __future__ import annotations
 
@@ -16,10 +20,13 @@ from pathlib import Path
 import torch
 import triton
 
-from ..codegen import generate
+from ..codegen import CodegenError, generate, generate_backward
+from ..codegen.backward import epilogue_grad_inputs, grad_inputs
 from ..ir import Region
-from ..ir.evaluate import compute_dtype, evaluate
-from ..tune import INTERPRETER, Config, TuningCache, bucket, candidates, head_block, heuristic
+from ..ir.evaluate import compute_dtype, evaluate, evaluate_with_rowstats
+from ..ir.region import rowstat_columns
+from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
+                    head_block, heuristic)
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -43,6 +50,13 @@ class CompiledRegion:
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
     max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
+    bwd_kernel: object = None        # generated backward, or None: the reference VJP (bwd_reason says why)
+    bwd_rows_kernel: object = None   # its row-gradient step, launched first
+    bwd_name: str = ""
+    bwd_source: str = ""
+    bwd_stats: list = field(default_factory=list)
+    bwd_reason: str = ""
+    bwd_launches: int = 0
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -65,65 +79,73 @@ class CompiledRegion:
             return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path
         return inputs[0].device.type == "cuda" or interpreting()
 
+    @property
+    def rowstats_shape(self) -> tuple[int, ...]:
+        r = self.region
+        return (*r.batch, r.M, rowstat_columns(r)[1])
+
     def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return self.run(inputs)[0]
+
+    def run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the row statistics the backward reads."""
         self.check(inputs)
         if not self.uses_kernel(inputs):
-            return evaluate(self.region, inputs).to(self.region.out_dtype)
+            out, rowstats = evaluate_with_rowstats(self.region, inputs)
+            return out.to(self.region.out_dtype), rowstats
         cfg = self.config(inputs)
         if MEASURE_SPARSITY:
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
         return self.launch(inputs, cfg)
 
-    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> torch.Tensor:
+    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.region
         out = torch.empty(self.out_shape, dtype=r.out_dtype, device=inputs[0].device)
+        rowstats = torch.empty(self.rowstats_shape, dtype=torch.float32, device=inputs[0].device)
         args: list = []
         for x in inputs:
             args += [x, *x.stride()]
-        args += [out, *out.stride()]
-        stats: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        for st in self.stats:     # ids read along m and along n: one reduction when blocks agree
-            key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
-            if key not in stats:
-                stats[key] = block_minmax(inputs[st.input], st.dim, key[2])
-            lo, hi = stats[key]
-            args += [lo, hi, *lo.stride()]
+        args += [out, *out.stride(), rowstats, r.M * rowstats.shape[-1], rowstats.shape[-1]]
+        args += block_stat_args(self.stats, inputs, cfg)
         args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
         self.kernel[grid](*args, DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
                           SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
                           BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
         self.launches += 1
-        return out
+        return out, rowstats
 
-    def config(self, inputs: list[torch.Tensor]) -> Config:
+    def config(self, inputs: list[torch.Tensor], backward=None) -> Config:
         """Launch config for these sizes: memory, then disk (an earlier tuning), then autotuning
-        when it was asked for (CUDA only), else the heuristic."""
+        when it was asked for (CUDA only), else the heuristic. ``backward``: a launch function of
+        a config for the backward kernel, which has its own space and heuristic."""
         r = self.region
         shape_bucket = bucket(r.M, r.N, math.prod(r.batch))
-        if shape_bucket in self.tuned:          # the per-call path: one dict lookup
-            return self.tuned[shape_bucket]
+        mem_key = ("bwd", *shape_bucket) if backward else shape_bucket
+        if mem_key in self.tuned:          # the per-call path: one dict lookup
+            return self.tuned[mem_key]
         if inputs[0].device.type != "cuda" or interpreting():
             cfg = INTERPRETER
         else:
             block_d = max(head_block(r.DK), head_block(r.DV))
             key = TuningCache.key(shape_bucket, torch.cuda.get_device_name(inputs[0].device))
-            disk = TuningCache(self.path.parent, self.name)
+            disk = TuningCache(self.path.parent, self.bwd_name if backward else self.name)
             cfg = disk.load().get(key)
             if cfg is None and self.max_autotune:
-                cfg = self.autotune(inputs, candidates(block_d, len(r.dots)))
+                space = backward_candidates(block_d) if backward else candidates(block_d, len(r.dots))
+                cfg = self.autotune(backward or (lambda c: self.launch(inputs, c)), space)
                 disk.store(key, cfg)
             elif cfg is None:
-                cfg = heuristic(block_d, len(r.dots), bool(self.stats))
-        self.tuned[shape_bucket] = cfg
+                cfg = backward_heuristic(block_d) if backward else heuristic(block_d, len(r.dots), bool(self.stats))
+        self.tuned[mem_key] = cfg
         return cfg
 
-    def autotune(self, inputs, configs: list[Config]) -> Config:
+    def autotune(self, launch, configs: list[Config]) -> Config:
         from triton.testing import do_bench
         best, best_t = configs[0], float("inf")
         for cfg in configs:
             try:
-                t = do_bench(lambda: self.launch(inputs, cfg), warmup=5, rep=20, return_mode="median")
+                t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
             except Exception:  # noqa: BLE001 — a config that does not fit (shared memory) is skipped
                 continue
             if t < best_t:
@@ -131,7 +153,42 @@ class CompiledRegion:
         return best
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+        if self.bwd_kernel is None or not self.uses_kernel(inputs):
+            return self.reference_backward(inputs, grad)
+        def launch(cfg: Config) -> dict[int, torch.Tensor]:
+            return self.launch_backward(inputs, rowstats, grad, cfg)
+        bufs = launch(self.config(inputs, backward=launch))
+        return [torch.empty_like(x).copy_(bufs[i]) if i in bufs else torch.zeros_like(x) for i, x in enumerate(inputs)]
+
+    def launch_backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
+                        cfg: Config) -> dict[int, torch.Tensor]:
+        """The generated backward kernels (row gradients, then tiles); returns the fp32 gradients
+        they accumulated, by input."""
+        r = self.region
+        tile_grads, row_grads = grad_inputs(r), epilogue_grad_inputs(r)
+        bufs = {i: torch.zeros(inputs[i].shape, dtype=torch.float32, device=grad.device)
+                for i in sorted(set(tile_grads) | set(row_grads))}
+        drow = torch.zeros_like(rowstats)
+        common: list = []
+        for x in inputs:
+            common += [x, *x.stride()]
+        strides = [r.M * rowstats.shape[-1], rowstats.shape[-1]]
+        args = common + [a for i in row_grads for a in (bufs[i], *bufs[i].stride())]
+        args += [grad, *grad.stride(), rowstats, drow, *strides, *r.batch, r.M]
+        self.bwd_rows_kernel[(triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
+            *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
+        args = common + [a for i in tile_grads for a in (bufs[i], *bufs[i].stride())]
+        args += [rowstats, drow, *strides]
+        args += block_stat_args(self.bwd_stats, inputs, cfg)
+        args += [*r.batch, r.M, r.N]
+        grid = (triton.cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))
+        self.bwd_kernel[grid](*args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.M, cfg.BLOCK_M)),
+                              BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        self.bwd_launches += 1
+        return bufs
+
+    def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
         ``torch.autograd.grad``: a custom op's implementation runs below the autograd key."""
         pos = [i for i, x in enumerate(inputs) if x.is_floating_point()]
@@ -172,6 +229,19 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
     return 1.0 - visited.float().mean().item()
 
 
+def block_stat_args(block_stats: list, inputs: list[torch.Tensor], cfg: Config) -> list:
+    """Kernel arguments of the per-block min/max a sparsity test reads (sparsity.BlockStat);
+    ids read along m and along n are reduced once when the blocks agree."""
+    args, cache = [], {}
+    for st in block_stats:
+        key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
+        if key not in cache:
+            cache[key] = block_minmax(inputs[st.input], st.dim, key[2])
+        lo, hi = cache[key]
+        args += [lo, hi, *lo.stride()]
+    return args
+
+
 def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of ``x`` over blocks of ``block`` along ``dim`` (O(numel), every call).
 
@@ -200,40 +270,62 @@ def compile_region(region: Region) -> CompiledRegion:
     key = f"{name}_{source_hash(str(region))}"
     if key not in REGISTRY:
         module, path = load_module(name, source)
-        REGISTRY[key] = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key)
+        c = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key)
+        compile_backward(c)
+        REGISTRY[key] = c
     return REGISTRY[key]
 
 
+def compile_backward(c: CompiledRegion) -> None:
+    """Generate and import the region's backward kernel, or record why it uses the reference."""
+    placeholder = "fl_bwd"
+    try:
+        source, c.bwd_stats = generate_backward(c.region, placeholder, interpret=interpreting(),
+                                                allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+    except CodegenError as e:
+        c.bwd_reason = str(e)
+        return
+    c.bwd_name = f"fl_bwd_{source_hash(source)}"
+    c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and {placeholder}_rows
+    module, _ = load_module(c.bwd_name, c.bwd_source)
+    c.bwd_kernel, c.bwd_rows_kernel = getattr(module, c.bwd_name), getattr(module, f"{c.bwd_name}_rows")
+
+
 @torch.library.custom_op("flashlight::region", mutates_args=())
-def region_op(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
-    return REGISTRY[key].forward(list(inputs))
+def region_op(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, fp32 row statistics for the backward)."""
+    return REGISTRY[key].run(list(inputs))
 
 
 @region_op.register_fake
-def _region_fake(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+def _region_fake(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     c = REGISTRY[key]
-    return inputs[0].new_empty(c.out_shape, dtype=c.region.out_dtype)
+    return (inputs[0].new_empty(c.out_shape, dtype=c.region.out_dtype),
+            inputs[0].new_empty(c.rowstats_shape, dtype=torch.float32))
 
 
 @torch.library.custom_op("flashlight::region_backward", mutates_args=())
-def region_backward(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
-    return REGISTRY[key].backward(list(inputs), grad)
+def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
+                    grad: torch.Tensor) -> list[torch.Tensor]:
+    return REGISTRY[key].backward(list(inputs), rowstats, grad)
 
 
 @region_backward.register_fake
-def _region_backward_fake(key: str, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+def _region_backward_fake(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
+                          grad: torch.Tensor) -> list[torch.Tensor]:
     return [torch.empty_like(x) for x in inputs]     # each gradient in its input's layout
 
 
 def _setup_context(ctx, inputs, output):
     key, tensors = inputs
     ctx.key = key
-    ctx.save_for_backward(*tensors)
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(*tensors, output[1])      # the inputs and O(M) row statistics
 
 
-def _backward(ctx, grad):
-    tensors = list(ctx.saved_tensors)
-    grads = region_backward(ctx.key, tensors, grad)
+def _backward(ctx, grad, _grad_rowstats):
+    *tensors, rowstats = ctx.saved_tensors
+    grads = region_backward(ctx.key, tensors, rowstats, grad)
     return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
 
 

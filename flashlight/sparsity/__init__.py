@@ -136,8 +136,12 @@ EXACT = {"add": "{0} + {1}", "sub": "{0} - {1}", "neg": "-{0}", "mul": "{0} * {1
 class IntervalWriter:
     """Emits scalar Triton code for the interval of an expression over one (M, N) block."""
 
-    def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh):
+    def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh,
+                 valid: dict[str, str] | None = None):
+        """``valid``: for the var(s) whose blocks the code scans as a vector (the forward: key
+        blocks ``blk``; the backward: query blocks ``pid_m``), the name of the in-range mask."""
         self.r, self.stats, self.lines, self.fresh = region, stats, lines, fresh
+        self.valid = {"n": "blk_valid"} if valid is None else valid
         self.memo: dict[Expr, tuple[str, str] | None] = {}
 
     def live(self, dead: Expr) -> str:
@@ -260,7 +264,7 @@ class IntervalWriter:
         offs = [f"{blk if dd == d else self._index(x)} * aux{k}_s{dd}" for dd, x in enumerate(idx)
                 if dd == d or not (x.op == "const" and x.args[0] == 0)]
         off = " + ".join(offs)
-        mask = ", mask=blk_valid, other=0" if stat.var == "n" else ""    # one entry per key block
+        mask = f", mask={self.valid[stat.var]}, other=0" if stat.var in self.valid else ""  # one entry per block
         return (self._let(f"tl.load(aux{k}_min + {off}{mask})"),
                 self._let(f"tl.load(aux{k}_max + {off}{mask})"))
 

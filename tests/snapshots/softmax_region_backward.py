@@ -1,0 +1,164 @@
+import triton
+import triton.language as tl
+
+@triton.jit
+def fl_floordiv(a, b):
+    # Python floor division for integers of any sign (Triton's // truncates)
+    q = a // b
+    return q - tl.where((a % b != 0) & ((a < 0) != (b < 0)), 1, 0)
+
+
+@triton.jit
+def fl_mod(a, b):
+    # Python remainder: takes the sign of the divisor
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def fl_bwd_snapshot(
+    in0_ptr,
+    in0_s0,
+    in0_s1,
+    in0_s2,
+    in1_ptr,
+    in1_s0,
+    in1_s1,
+    in1_s2,
+    in2_ptr,
+    in2_s0,
+    in2_s1,
+    in2_s2,
+    g0_ptr,
+    g0_s0,
+    g0_s1,
+    g0_s2,
+    g1_ptr,
+    g1_s0,
+    g1_s1,
+    g1_s2,
+    g2_ptr,
+    g2_s0,
+    g2_s1,
+    g2_s2,
+    rowstats_ptr,
+    drow_ptr,
+    rowstats_sb,
+    rowstats_sm,
+    B0,
+    M,
+    N,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # region batch rank 1, DK=4 DV=4
+    #   in0: q rank 3 torch.float32
+    #   in1: k rank 3 torch.float32
+    #   in2: v rank 3 torch.float32
+    #   dot0: q=in0[b0, m, dk]  k=in1[b0, n, dk]
+    #   red0 = max_n mul(dot0, 0.5)
+    #   red1 = sum_n exp(sub(mul(dot0, 0.5), red0)) online(red0)
+    #   red2 = dot_n exp(sub(mul(dot0, 0.5), red0)) v=in2[b0, n, dv] online(red0)
+    #   out = div_safe(red2, red1)
+    pid_n = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    b0 = pid_b % B0
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_n = offs_n < N
+    mask_dk = offs_dk < DK
+    mask_dv = offs_dv < DV
+    n_lo = start_n
+    n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1
+    blk = pid_n       # this program's key block, for the sparsity scan
+    blk_valid = n_lo < N
+    ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+    ld3 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+    dv0 = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk0 = tl.zeros([BLOCK_DK, BLOCK_N], dtype=tl.float32)
+    for start_m in range(0, M, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        # the forward's softmax shifts, and dL/d(reduction) from the output expression
+        r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[:, None]
+        dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[:, None]
+        dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+        # recompute the score tiles
+        ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
+        qk0 = tl.dot(ld1, ld2, input_precision="ieee")
+        # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
+        db1 = tl.where(mask_mn, dr1, 0.0)
+        t4 = (qk0 * (0.5))
+        t5 = (t4 - r0_s)
+        t6 = (tl.exp(t5))
+        db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld3), input_precision="ieee"), 0.0)
+        p2 = tl.where(mask_mn, t6, 0.0)
+        dv0 += tl.dot(tl.trans(p2), dr2, input_precision="ieee")
+        # reverse through the bodies: loaded biases and tables, then dS -> dK, dQ
+        t7 = (db1 + db2)
+        t8 = (t7 * t6)
+        t9 = (t8 * (0.5))
+        ds0 = tl.broadcast_to(t9, [BLOCK_M, BLOCK_N])
+        dk0 += tl.dot(tl.trans(ld1), ds0, input_precision="ieee")
+        dq0 = tl.dot(ds0, tl.trans(ld2), input_precision="ieee")
+        tl.atomic_add(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]), mask=mask_dk[None, :] & mask_m[:, None])
+    # gradients of the K and V operands, accumulated over all query blocks
+    tl.atomic_add(g1_ptr + b0 * g1_s0 + offs_n[None, :] * g1_s1 + offs_dk[:, None] * g1_s2, tl.broadcast_to(dk0, [BLOCK_DK, BLOCK_N]), mask=mask_dk[:, None] & mask_n[None, :])
+    tl.atomic_add(g2_ptr + b0 * g2_s0 + offs_n[:, None] * g2_s1 + offs_dv[None, :] * g2_s2, tl.broadcast_to(dv0, [BLOCK_N, BLOCK_DV]), mask=mask_dv[None, :] & mask_n[:, None])
+
+
+@triton.jit
+def fl_bwd_snapshot_rows(
+    in0_ptr,
+    in0_s0,
+    in0_s1,
+    in0_s2,
+    in1_ptr,
+    in1_s0,
+    in1_s1,
+    in1_s2,
+    in2_ptr,
+    in2_s0,
+    in2_s1,
+    in2_s2,
+    dout_ptr,
+    dout_s0,
+    dout_s1,
+    dout_s2,
+    rowstats_ptr,
+    drow_ptr,
+    rowstats_sb,
+    rowstats_sm,
+    B0,
+    M,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    b0 = pid_b % B0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_m = offs_m < M
+    mask_dv = offs_dv < DV
+    mask_o = mask_m[:, None] & mask_dv[None, :]
+    row = pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm
+    do = tl.load(dout_ptr + b0 * dout_s0 + offs_m[:, None] * dout_s1 + offs_dv[None, :] * dout_s2, mask=mask_o, other=0.0).to(tl.float32)
+    r1 = tl.load(rowstats_ptr + row + 1, mask=mask_m[:, None], other=0.0)
+    r2 = tl.load(rowstats_ptr + row + 2 + offs_dv[None, :], mask=mask_o, other=0.0)
+    t1 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
+    t2 = (do * t1)
+    t3 = (tl.where(r1 == 0, 0.0, t2 / tl.where(r1 == 0, 1.0, r1)))
+    t4 = (-t3)
+    tl.store(drow_ptr + row + 1, tl.sum(tl.where(mask_o, tl.broadcast_to(t4, [BLOCK_M, BLOCK_DV]), 0.0), 1, keep_dims=True), mask=mask_m[:, None])
+    t5 = (tl.where(r1 == 0, 0.0, do / tl.where(r1 == 0, 1.0, r1)))
+    tl.store(drow_ptr + row + 2 + offs_dv[None, :], tl.where(mask_o, tl.broadcast_to(t5, [BLOCK_M, BLOCK_DV]), 0.0), mask=mask_o)

@@ -1,0 +1,139 @@
+"""Generated backward kernels (codegen/backward.py): gradients of every floating input match
+float64 eager, the generated kernel (not the reference VJP) ran, and what it does not support
+falls back to the reference with a reason. The derivative table is checked op by op."""
+import pytest
+import torch
+
+import flashlight
+from flashlight.codegen.backward import backward_support, degree
+from flashlight.examples import NAMES, VARIANTS
+from flashlight.ir import Input, Reduction, Region, call, load, red, var
+from flashlight.ir.derivative import DERIVATIVE, vjp
+from flashlight.ir.evaluate import Evaluator
+from helpers import check_grads
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_example_has_fp64_gradients_from_the_generated_kernel(name):
+    mod = VARIANTS[name]
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16))
+
+
+def test_biases_of_every_broadcast_shape_and_a_score_scalar():
+    """Gradients into loads are atomic adds at the load's address, reduced over broadcast dims."""
+    H, M, N, D = 2, 19, 23, 16
+    q, k, v = torch.randn(1, H, M, D), torch.randn(1, H, N, D), torch.randn(1, H, N, D)
+    col, head, row, temp = torch.randn(N), torch.randn(H, 1, 1), torch.randn(1, M, 1), torch.tensor(0.7)
+
+    def attn(q, k, v, col, head, row, temp):
+        s = ((q @ k.mT) * temp * head + col + col.sigmoid()) * row.sigmoid()   # col read twice
+        return torch.softmax(s, -1) @ v     # (an additive per-row bias would have zero gradient)
+    check_grads(attn, (q, k, v, col, head, row, temp))
+
+
+def test_fully_masked_rows_get_zero_gradients():
+    """A row whose every key is masked outputs 0 (FlexAttention's convention) and passes no
+    gradient; the oracle spells that semantics out (eager softmax would give NaN)."""
+    q, k, v = (torch.randn(1, 2, L, 16) for L in (20, 35, 35))
+
+    def keep(q, k):
+        qi, ki = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        return (ki <= qi) & (qi % 7 != 3)            # rows 3, 10, 17 see no key
+
+    def attn(q, k, v):
+        s = (q @ k.mT * 0.25).masked_fill(~keep(q, k), float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    def oracle(q, k, v):
+        mask = keep(q, k)
+        live = mask.any(-1, keepdim=True)
+        s = (q @ k.mT * 0.25).masked_fill(~mask, float("-inf")).masked_fill(~live, 0.0)
+        return (torch.softmax(s, -1) * live) @ v
+    check_grads(attn, (q, k, v), ref_fn=oracle)
+
+
+def test_half_precision_gradients():
+    mod = VARIANTS["causal"]
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16, dtype=torch.float16), tol=2e-2)
+
+
+def test_unsupported_region_falls_back_to_the_reference_with_a_reason():
+    """softmax(s)**2 @ v reads the row sum inside the body: its row gradient needs a pass over N
+    before the tile loop, which the generated backward does not do."""
+    def attn(q, k, v):
+        return torch.softmax(q @ k.mT * 0.25, -1).square() @ v
+    inputs = VARIANTS["vanilla"].make_inputs(B=1, H=2, M=13, D=16)
+    report = flashlight.explain(attn, *inputs)
+    assert "reference VJP" in report.regions[0].backward and "reads reductions" in report.regions[0].backward
+    check_grads(attn, inputs, generated=False)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")
+def test_block_sparse_backward_never_reads_dead_tiles():
+    """Causal, 4 x 4 blocks of 16 (the interpreter's): the last key block is live only for the
+    last query block. NaN queries in the first three query blocks would reach that key block's
+    dK through dK += Q^T dS (NaN * 0) if its dead tiles were visited."""
+    mod = VARIANTS["causal"]
+    q, k, v = (x.requires_grad_() for x in mod.make_inputs(B=1, H=1, M=64, D=16))
+    report = flashlight.explain(mod.attention, q, k, v)
+    assert report.regions[0].backward.startswith("generated")
+    with torch.no_grad():
+        q[..., :48, :] = float("nan")
+    dk, dv = torch.autograd.grad(torch.compile(mod.attention, backend="flashlight")(q, k, v).sum(), [k, v])
+    assert dk[..., 48:, :].isfinite().all() and dv[..., 48:, :].isfinite().all()
+    assert dk[..., :48, :].isnan().any()      # the NaNs do flow where the scores are live
+
+
+# -- IR level ---------------------------------------------------------------------------------
+def _region(body, out=None) -> Region:
+    x = [load(i, (var("b0"), var("m"), var("n")), "f") for i in range(3)]
+    return Region((2,), 5, 7, 4, 4, [Input(f"x{i}", (2, 5, 7), torch.float64) for i in range(3)], [],
+                  [Reduction("sum", body(*x))], out if out is not None else red(0), torch.float64)
+
+
+UNARY_DOMAIN = {"log": 1, "log2": 1, "log1p": 1, "sqrt": 1, "rsqrt": 1, "reciprocal": 1, "pow": 1}
+
+
+@pytest.mark.parametrize("op", sorted(DERIVATIVE))
+def test_derivative_rows_match_torch_autograd(op):
+    """vjp of op(x0, x1) with adjoint x2, evaluated in float64, equals torch autograd's."""
+    from flashlight.ir.expr import POINTWISE
+    arity = POINTWISE[op][0]
+    if op == "where":
+        body = lambda a, b, g: call("where", call("gt", a, 0.0), a * b, b)          # noqa: E731
+    elif arity == 2:
+        body = lambda a, b, g: call(op, a, b)                                         # noqa: E731
+    else:
+        body = lambda a, b, g: call(op, a)                                            # noqa: E731
+    r = _region(body)
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 5, 7, dtype=torch.float64) for _ in range(3)]
+    if op in UNARY_DOMAIN:
+        xs[0] = xs[0].abs() + 0.5
+    xs[1][0, 0, :2] = xs[0][0, 0, :2]               # ties for maximum/minimum
+    leaves = [x.clone().requires_grad_() for x in xs[:2]] + [xs[2]]
+    ev = Evaluator(r, leaves)
+    y = ev.full(ev.ctx_s(r.reductions[0].body), ev.ctx_s)
+    ref = torch.autograd.grad(y, leaves[:2], xs[2], allow_unused=True)
+    adj = vjp({r.reductions[0].body: load(2, (var("b0"), var("m"), var("n")), "f")})
+    ev = Evaluator(r, xs)
+    for i in range(2):
+        x = load(i, (var("b0"), var("m"), var("n")), "f")
+        got = ev.full(ev.ctx_s(adj[x]), ev.ctx_s) if x in adj else torch.zeros_like(xs[i])
+        want = ref[i] if ref[i] is not None else torch.zeros_like(xs[i])
+        torch.testing.assert_close(got, want)
+
+
+def test_max_shift_must_cancel_in_the_output():
+    """The max is a constant in the backward only when the output is homogeneous of degree 0
+    in the sums it rescales: l / l yes, l alone (a logsumexp-like output) no."""
+    s = load(0, (var("b0"), var("m"), var("n")), "f")
+    r = _region(lambda a, b, g: a)
+    r.reductions = [Reduction("max", s), Reduction("sum", call("exp", s - red(0)), online=0)]
+    assert degree(call("div_safe", red(1), red(1)), {1}) == 0 and degree(red(1), {1}) == 1
+    r.out = call("sigmoid", call("div", red(1), red(1)))
+    assert backward_support(r) is None
+    r.out = red(1)
+    assert "not invariant" in backward_support(r)
+    r.out = red(0)
+    assert "reads the maximum" in backward_support(r)
