@@ -301,8 +301,10 @@ def measure(case: Case, env: Env) -> dict:
     ref = None
     try:
         if case.mode == "fwd+bwd":
-            q, v = xs[0], xs[2]           # training programs are BHSD: out is [B, H, M, Dv]
-            dout = torch.randn(*q.shape[:-1], v.shape[-1], dtype=env.dtype, device=env.device)
+            with torch.no_grad():     # the output's shape, from a run on meta tensors
+                meta = [x.detach().to("meta") if isinstance(x, torch.Tensor) else x for x in xs]
+                out = PROGRAMS[case.program].fn(*meta)
+            dout = torch.randn(out.shape, dtype=out.dtype, device=env.device)
         ref = reference(case, xs, dout)
         row["ref"] = "fp32 eager, batch 0" + (f", heads 0-{ref_heads(case) - 1}" if ref_heads(case) else "")
     except Exception as e:   # noqa: BLE001

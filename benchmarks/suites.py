@@ -97,7 +97,9 @@ PROGRAMS: dict[str, Program] = {
     "softcap": _example("softcap"),
     "gqa": _example("gqa", sdpa=_sdpa_gqa, head_sliceable=False),
     # two softmax maps over half-width heads sharing V: 2 (2 D/2) + 2 (2 D) = 6 D per pair
-    "diff_attention": _example("diff_attention", pair_flops=lambda D: 6 * D),
+    # (its output merges the heads, [B, M, H * Dv]: the reference runs all heads; input 4 is the
+    # norm weight, not batched)
+    "diff_attention": _example("diff_attention", pair_flops=lambda D: 6 * D, head_sliceable=False, unbatched=(4,)),
     "evoformer": Program(fn=VARIANTS["evoformer"].attention, make=VARIANTS["evoformer"].make_inputs,
                          maps=lambda extra: extra["S"]),
     "gated": _example("gated"),

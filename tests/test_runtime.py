@@ -212,3 +212,28 @@ def test_graph_of_only_regions_and_views_skips_inductor(monkeypatch):
     w = torch.randn(16, 16)
     out = torch.compile(lambda q, k, v: causal.attention(q @ w, k, v), backend="flashlight")(q, k, v)
     assert calls == [1] and rel_error(out, causal.attention(to64(q) @ to64(w), to64(k), to64(v))) < 1e-3
+
+
+def test_a_config_that_does_not_fit_falls_back_to_a_smaller_one_for_good():
+    """A default config can exceed shared memory for a heavy kernel (OutOfResources at its first
+    compile): the next smaller config of the ladder runs, and is kept for that size."""
+    from triton.runtime.errors import OutOfResources
+
+    from flashlight.runtime import op
+    from flashlight.tune import Config, bucket
+    r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=20, D=16)).regions[0]
+    c = op.REGISTRY[r.key]
+    key = bucket(c.region.M, c.region.N, 1)
+    c.tuned[key] = Config(128, 128, 8, 3)
+    tried = []
+
+    def launch(cfg):
+        tried.append(cfg)
+        if cfg.BLOCK_M * cfg.BLOCK_N * cfg.num_stages > 64 * 64 * 2:
+            raise OutOfResources(295424, 232448, "shared memory")
+        return "ran"
+    try:
+        assert c.fitting([], launch) == "ran"
+        assert c.tuned[key] == Config(64, 64, 4, 2) == tried[-1] and len(tried) == 5
+    finally:
+        del c.tuned[key]

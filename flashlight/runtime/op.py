@@ -19,14 +19,16 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.backward import epilogue_grad_inputs, grad_inputs
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate, evaluate_with_rowstats
 from ..ir.region import rowstat_columns
+from ..sparsity import dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
-                    head_block, heuristic)
+                    head_block, heuristic, smaller)
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -50,6 +52,7 @@ class CompiledRegion:
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
     max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
+    sparse: bool = False             # the mask may skip key blocks (picks the default config)
     bwd_kernel: object = None        # generated backward, or None: the reference VJP (bwd_reason says why)
     bwd_rows_kernel: object = None   # its row-gradient step, launched first
     bwd_name: str = ""
@@ -93,10 +96,25 @@ class CompiledRegion:
         if not self.uses_kernel(inputs):
             out, rowstats = evaluate_with_rowstats(self.region, inputs)
             return out.to(self.region.out_dtype), rowstats
-        cfg = self.config(inputs)
         if MEASURE_SPARSITY:
+            cfg = self.config(inputs)
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
-        return self.launch(inputs, cfg)
+        return self.fitting(inputs, lambda cfg: self.launch(inputs, cfg))
+
+    def fitting(self, inputs: list[torch.Tensor], launch, backward: bool = False):
+        """``launch`` under this size's config; a config that does not fit the kernel (shared
+        memory, at its first compile) is replaced for good by the next smaller one."""
+        cfg = self.config(inputs, backward=launch if backward else None)
+        while True:
+            try:
+                return launch(cfg)
+            except OutOfResources:
+                cfg = smaller(cfg)
+                if cfg is None:
+                    raise
+                r = self.region
+                shape_bucket = bucket(r.M, r.N, math.prod(r.batch))
+                self.tuned[("bwd", *shape_bucket) if backward else shape_bucket] = cfg
 
     def launch(self, inputs: list[torch.Tensor], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.region
@@ -136,7 +154,7 @@ class CompiledRegion:
                 cfg = self.autotune(backward or (lambda c: self.launch(inputs, c)), space)
                 disk.store(key, cfg)
             elif cfg is None:
-                cfg = backward_heuristic(block_d) if backward else heuristic(block_d, len(r.dots), bool(self.stats))
+                cfg = backward_heuristic(block_d) if backward else heuristic(block_d, len(r.dots), self.sparse)
         self.tuned[mem_key] = cfg
         return cfg
 
@@ -158,7 +176,7 @@ class CompiledRegion:
             return self.reference_backward(inputs, grad)
         def launch(cfg: Config) -> dict[int, torch.Tensor]:
             return self.launch_backward(inputs, rowstats, grad, cfg)
-        bufs = launch(self.config(inputs, backward=launch))
+        bufs = self.fitting(inputs, launch, backward=True)
         return [torch.empty_like(x).copy_(bufs[i]) if i in bufs else torch.zeros_like(x) for i, x in enumerate(inputs)]
 
     def launch_backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
@@ -210,7 +228,6 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
     the kernel's scan skips when its intervals are exact (index masks, sorted ids); None when the
     score grid is too large to evaluate here."""
     from ..ir.evaluate import Evaluator
-    from ..sparsity import dead_predicate, useful
     if math.prod(region.batch) * region.M * region.N > 1 << 26:
         return None
     members = region.passes()[0]
@@ -270,7 +287,8 @@ def compile_region(region: Region) -> CompiledRegion:
     key = f"{name}_{source_hash(str(region))}"
     if key not in REGISTRY:
         module, path = load_module(name, source)
-        c = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key)
+        c = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key,
+                           sparse=useful(dead_predicate(region, region.passes()[0])))
         compile_backward(c)
         REGISTRY[key] = c
     return REGISTRY[key]

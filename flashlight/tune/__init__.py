@@ -40,16 +40,28 @@ def head_block(d: int) -> int:
 INTERPRETER = Config(16, 16, 1, 1)      # Triton's CPU interpreter is slow per element: small tiles
 
 
-def heuristic(block_d: int, n_dots: int, data_stats: bool) -> Config:
+def heuristic(block_d: int, n_dots: int, sparse: bool) -> Config:
     """The launch config used without autotuning (the default, as FlexAttention does), from the
-    H200 sweep in docs/notes.md (session 2): over 7 variants, 64x64 w4 s3 is within 1.1% of the
-    best config on average at D<=64 (worst 4.6%); at D=128 128x128 w8 s3 is within 3.1% (worst
-    20%, the document mask, where 64x64 w4 s3 is best: short live ranges favour small blocks)."""
+    H200 sweeps in docs/notes.md (session 2): at D<=64, 64x64 w4 s3 is within 1.1% of the best of
+    the space on average over 7 variants (worst 4.6%). At D=128, 128x128 w8 s3 is best for dense
+    attention, but masks that skip blocks (short live ranges: document, sliding window) lose up to
+    2.4x with it, and 64x64 w4 s3 is within 3% of the best for every masked variant measured."""
     if block_d >= 256:
         return Config(64, 64, 4, 2)       # shared memory: K and V tiles of a 256-wide head
-    if block_d >= 128 and not data_stats:
+    if block_d >= 128 and not sparse:
         return Config(128, 64, 8, 3) if n_dots > 1 else Config(128, 128, 8, 3)
     return Config(64, 64, 4, 3)
+
+
+# Configs by shared-memory footprint (BLOCK_M x BLOCK_N x stages), largest first: where a chosen
+# config does not fit a kernel (OutOfResources at its first compile), the next smaller one runs.
+LADDER = [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
+          Config(64, 64, 4, 2), Config(32, 64, 4, 2), Config(32, 32, 4, 1), Config(16, 16, 4, 1)]
+
+
+def smaller(cfg: Config) -> Config | None:
+    size = cfg.BLOCK_M * cfg.BLOCK_N * cfg.num_stages
+    return next((c for c in LADDER if c.BLOCK_M * c.BLOCK_N * c.num_stages < size), None)
 
 
 def candidates(block_d: int, n_dots: int = 1) -> list[Config]:
