@@ -42,6 +42,14 @@ def features(region: Region) -> list[str]:
         feats.add(f"{len(region.dots)}-scores")
     if refs(region.out, "load"):
         feats.add("epilogue")
+    if any(x.op == "load" and refs(x, "load") - {x.args[0]} for d in region.dots for x in walk(d.k)):
+        feats.add("paged-kv")       # K read through an index tensor (a block table)
+    from .codegen.split import splittable
+    from .runtime.decode import MAX_M
+    if region.M <= MAX_M and splittable(region):
+        feats.add("split-kv")
+    if region.rows:
+        feats.add(f"{len(region.rows)}-row-outputs")
     from .sparsity import dead_predicate, useful
     if any(useful(dead_predicate(region, p)) for p in region.passes()):
         feats.add("block-sparse")

@@ -300,6 +300,8 @@ def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Bu
     dims = [dims] if isinstance(dims, int) else list(dims)
     if len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
         return b.decline(node, f"{node.target} over dims {dims}: only reductions over the key (last) dim fuse")
+    if s.shape[-1] != b.N:
+        return None      # a reduction over some other last dim (a head dim): not over the keys
 
     def fn(idx):
         head = idx[:-1] if keepdim else idx
@@ -450,6 +452,7 @@ RULES.update({
     aten.permute: _permute, aten.transpose: _transpose, aten.t: _t, aten.mT: _mT,
     aten.unsqueeze: _unsqueeze, aten.squeeze: _squeeze, aten.expand: _expand,
     aten.expand_as: _expand, aten.view: _reshape, aten.reshape: _reshape, aten._unsafe_view: _reshape,
+    aten.flatten: _reshape, aten.unflatten: _reshape,
     aten.slice: _slice, aten.select: _select, aten.repeat_interleave: _repeat_interleave,
     aten.repeat: _repeat, aten.index: _index,
     # index generators

@@ -10,7 +10,9 @@ FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask
 # ... and these it cannot (several softmaxes, post-softmax ops, epilogues, no softmax at all).
 BEYOND_NAMES = ["diff_attention", "gated", "hand_softmax", "relu_attention", "sigmoid_attention",
                 "evoformer", "relative_position"]
-NAMES = FLEX_NAMES + BEYOND_NAMES
+# ... and decoding (few queries against a long KV cache: split-KV kernels).
+DECODE_NAMES = ["paged_decode"]
+NAMES = FLEX_NAMES + BEYOND_NAMES + DECODE_NAMES
 
 
 def load(name: str):

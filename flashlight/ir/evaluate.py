@@ -108,6 +108,10 @@ class Evaluator:
         return r
 
     def run(self) -> torch.Tensor:
+        return self.run_all()[0]
+
+    def run_all(self) -> list[torch.Tensor]:
+        """The output and the extra row outputs (each (*batch, M))."""
         for r in self.region.reductions:
             body = self.full(self.ctx_s(r.body), self.ctx_s)
             if r.kind == "max":
@@ -116,10 +120,16 @@ class Evaluator:
                 self.reds.append(body.sum(-1, keepdim=True))
             else:
                 self.reds.append(body @ self.full(self.ctx_v(r.v), self.ctx_v))
-        out = self.ctx_o(self.region.out)
-        return out.to(self.dtype).expand(self.ctx_o.shape)
+        out = self.ctx_o(self.region.out).to(self.dtype).expand(self.ctx_o.shape)
+        rows = [self.ctx_o(x.expr).to(self.dtype).expand(self.ctx_o.shape)[..., 0] for x in self.region.rows]
+        return [out, *rows]
 
 
 def evaluate(region: Region, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """Run ``region`` on ``inputs``; returns (*batch, M, DV) in the compute dtype."""
     return Evaluator(region, inputs).run()
+
+
+def evaluate_all(region: Region, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Like ``evaluate``, followed by the region's extra row outputs, each (*batch, M)."""
+    return Evaluator(region, inputs).run_all()

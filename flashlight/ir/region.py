@@ -12,6 +12,7 @@ A region computes, for every (b..., m)::
     reductions  r_j[b, m] = reduce_n body_j[b, m, n]          (max / sum)
                 r_j[b, m, dv] = sum_n body_j[b, m, n] * V_j[b, n, dv]   (kind "dot")
     out         out[b, m, dv] = out_expr(r..., loads)
+    rows        row_i[b, m] = row_expr_i(r..., loads)     (extra outputs: logsumexp, row max, ...)
 
 where every ``body_j`` may read the dots, loads, index vars and earlier reductions.
 """
@@ -52,6 +53,14 @@ class Reduction:
         assert (self.v is not None) == (self.kind == "dot")
 
 
+@dataclass(frozen=True)
+class Row:
+    """An extra output over (b..., m) computed from the reductions, e.g. the logsumexp
+    ``red0 + log(red1)`` that a program returns next to the attention output."""
+    expr: Expr
+    dtype: torch.dtype
+
+
 @dataclass
 class Region:
     batch: tuple[int, ...]
@@ -66,6 +75,7 @@ class Region:
     out_dtype: torch.dtype
     source: str = ""                # the user's source line(s), for explain()
     features: set[str] = field(default_factory=set)
+    rows: list[Row] = field(default_factory=list)
 
     @property
     def batch_vars(self) -> tuple[str, ...]:
@@ -101,6 +111,7 @@ class Region:
             on = f" online(red{r.online})" if r.online is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)}")
+        lines += [f"  row{i} = {fmt(x.expr)} {x.dtype}" for i, x in enumerate(self.rows)]
         return "\n".join(lines)
 
 
@@ -136,4 +147,8 @@ def verify(region: Region) -> Region:
         if r.online is not None and region.reductions[r.online].kind != "max":
             raise VerifyError(f"red{j} is rescaled by red{r.online}, which is not a max")
     check(region.out, b | {"m", "dv"}, "out", len(region.reductions), False)
+    for i, x in enumerate(region.rows):
+        check(x.expr, b | {"m"}, f"row{i}", len(region.reductions), False)
+        if any(region.reductions[j].kind == "dot" for j in refs(x.expr, "red")):
+            raise VerifyError(f"row{i} reads a P @ V product, which is not a row value")
     return region

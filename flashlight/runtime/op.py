@@ -18,8 +18,9 @@ import triton
 
 from ..codegen import generate
 from ..ir import Region
-from ..ir.evaluate import compute_dtype, evaluate
+from ..ir.evaluate import compute_dtype, evaluate, evaluate_all
 from ..tune import Config, TuningCache, bucket, candidates, head_block
+from . import decode
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -42,6 +43,7 @@ class CompiledRegion:
     tuned: dict = field(default_factory=dict)      # shape bucket -> Config
     launches: int = 0
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
+    split: object = None             # decode.SplitKernels once compiled (False: not splittable)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -66,21 +68,36 @@ class CompiledRegion:
         return inputs[0].device.type == "cuda" or interpreting()
 
     def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return self.forward_all(inputs)[0]
+
+    def forward_all(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The output and the region's extra row outputs (each (*batch, M))."""
         self.check(inputs)
         if not self.uses_kernel(inputs):
-            return evaluate(self.region, inputs).to(self.region.out_dtype)
+            outs = evaluate_all(self.region, inputs)
+            return [x.to(dt) for x, dt in zip(outs, self.out_dtypes)]
         cfg = self.config(inputs)
         if MEASURE_SPARSITY:
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
         return self.launch(inputs, cfg)
 
-    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> torch.Tensor:
+    @property
+    def out_dtypes(self) -> list[torch.dtype]:
+        return [self.region.out_dtype] + [x.dtype for x in self.region.rows]
+
+    def new_outputs(self, like: torch.Tensor) -> list[torch.Tensor]:
         r = self.region
-        out = torch.empty(self.out_shape, dtype=r.out_dtype, device=inputs[0].device)
+        rows = [like.new_empty((*r.batch, r.M), dtype=x.dtype) for x in r.rows]
+        return [like.new_empty(self.out_shape, dtype=r.out_dtype), *rows]
+
+    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> list[torch.Tensor]:
+        r = self.region
+        outs = self.new_outputs(inputs[0])
         args: list = []
         for x in inputs:
             args += [x, *x.stride()]
-        args += [out, *out.stride()]
+        for o in outs:
+            args += [o, *o.stride()]
         stats: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         for st in self.stats:     # ids read along m and along n: one reduction when blocks agree
             key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
@@ -90,11 +107,24 @@ class CompiledRegion:
             args += [lo, hi, *lo.stride()]
         args += [*r.batch, r.M, r.N]
         grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
-        self.kernel[grid](*args, DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
-                          SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
-                          BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        meta = dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
+                    SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
+                    BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        device = inputs[0].device
+        splits, per = decode.plan(r.M, r.N, grid[0] * grid[1], cfg.BLOCK_N, decode.sm_count(device))
+        if splits > 1 and self.split_kernels():
+            decode.launch_split(self.split, r, args, meta, cfg, splits, per, device)
+        else:
+            self.kernel[grid](*args, **meta)
         self.launches += 1
-        return out
+        return outs
+
+    def split_kernels(self):
+        """The split-KV kernels (compiled at first use; None when the region needs several passes)."""
+        if self.split is None:
+            self.split = decode.compile_split(self.name, self.region, torch.backends.cuda.matmul.allow_tf32,
+                                              interpreting()) or False
+        return self.split or None
 
     def config(self, inputs: list[torch.Tensor]) -> Config:
         """Launch config for these sizes: memory, then disk, then autotuning (CUDA only)."""
@@ -128,18 +158,21 @@ class CompiledRegion:
         return best
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    def backward(self, inputs: list[torch.Tensor], grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
-        ``torch.autograd.grad``: a custom op's implementation runs below the autograd key."""
+        ``torch.autograd.grad``: a custom op's implementation runs below the autograd key.
+        ``grad`` is a list (output, then rows) for a region with extra row outputs."""
         pos = [i for i, x in enumerate(inputs) if x.is_floating_point()]
+        run = evaluate_all if isinstance(grad, list) else evaluate
 
         def fn(*floats):
             xs = list(inputs)
             for i, f in zip(pos, floats):
                 xs[i] = f
-            return evaluate(self.region, xs)
+            return run(self.region, xs)
         out, vjp = torch.func.vjp(fn, *(inputs[i] for i in pos))
-        grads = dict(zip(pos, vjp(grad.to(out.dtype))))
+        grads = dict(zip(pos, vjp([g.to(o.dtype) for g, o in zip(grad, out)] if isinstance(grad, list)
+                                  else grad.to(out.dtype))))
         # each gradient takes its input's layout, as the fake implementation promises
         return [torch.empty_like(x).copy_(grads[i]) if i in grads else torch.zeros_like(x)
                 for i, x in enumerate(inputs)]
@@ -234,3 +267,40 @@ def _backward(ctx, grad):
 
 
 region_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- regions with extra row outputs (logsumexp, row max, ...): one op returning all of them ------
+@torch.library.custom_op("flashlight::region_rows", mutates_args=())
+def region_rows_op(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return REGISTRY[key].forward_all(list(inputs))
+
+
+@region_rows_op.register_fake
+def _region_rows_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return REGISTRY[key].new_outputs(inputs[0])
+
+
+@torch.library.custom_op("flashlight::region_rows_backward", mutates_args=())
+def region_rows_backward(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return REGISTRY[key].backward(list(inputs), list(grads))
+
+
+@region_rows_backward.register_fake
+def _region_rows_backward_fake(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in inputs]
+
+
+def _setup_rows_context(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.out_like = [(o.shape, o.dtype) for o in output]
+
+
+def _backward_rows(ctx, grads):
+    tensors = list(ctx.saved_tensors)
+    like = tensors[0]
+    grads = [g if g is not None else like.new_zeros(shape, dtype=dt) for g, (shape, dt) in zip(grads, ctx.out_like)]
+    grads = region_rows_backward(ctx.key, tensors, grads)
+    return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
+
+
+region_rows_op.register_autograd(_backward_rows, setup_context=_setup_rows_context)

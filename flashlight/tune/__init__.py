@@ -36,6 +36,9 @@ def head_block(d: int) -> int:
 def candidates(M: int, N: int, block_d: int, on_gpu: bool, n_dots: int = 1) -> list[Config]:
     if not on_gpu:
         return [Config(16, 16, 1, 1)]
+    if M <= 16:    # decoding: one block of 16 rows (tl.dot's minimum) holds every query
+        return [Config(16, bn, w, s) for bn, w, s in [(64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 2)]
+                if not (block_d >= 256 and bn > 64)]
     configs = []
     for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
                          (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4)]:

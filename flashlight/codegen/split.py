@@ -1,0 +1,126 @@
+"""Split-KV forward for decoding (few queries, many keys): two generated kernels.
+
+``split``: one program per (M block, batch index, split). Each split runs the forward kernel's
+loop over its own range of key blocks and stores the *raw* reduction states — running maxima,
+sums and P @ V accumulators, the sums taken under the split's own max — to an fp32 scratch
+``ws[split, batch, m, column]``. ``combine``: one program per (M block, batch index) merges the
+splits and runs the epilogue (output and row outputs) exactly as the one-kernel forward does::
+
+    m   = max_s m_s                                    (every max reduction)
+    r   = sum_s r_s * exp(m_s - m)                     (sums and P @ V rescaled by their max)
+    r   = sum_s r_s                                    (sums without a max)
+
+which is the flash-attention recurrence applied once more, across splits instead of key blocks.
+Only regions whose reductions all run in one pass can be split (``splittable``).
+"""
+from __future__ import annotations
+
+from ..ir import Region
+from .emit import HELPERS
+from .kernel import NEG_INF, KernelWriter
+
+SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
+
+
+def splittable(region: Region) -> bool:
+    return len(region.passes()) == 1
+
+
+def columns(region: Region) -> tuple[list[str], str]:
+    """Scratch column of each reduction's state (1 for a max or sum, DV for P @ V) and the
+    row width, as Triton expressions over the DV constexpr."""
+    cols, scalars, dots = [], 0, 0
+    for red in region.reductions:
+        cols.append(f"{scalars} + {dots} * DV")
+        scalars, dots = scalars + (red.kind != "dot"), dots + (red.kind == "dot")
+    return cols, f"{scalars} + {dots} * DV"
+
+
+def _ws_row(split: str) -> str:
+    """Offset of row (split, batch, offs_m) in the scratch; NUM_B = number of batch programs."""
+    return f"(({split} * NUM_B + pid_b) * M + offs_m[:, None]) * WS_C"
+
+
+class SplitWriter(KernelWriter):
+    """The forward kernel restricted to one split of the key blocks, storing raw states."""
+
+    def signature(self) -> list[str]:
+        args = super().signature()
+        at = args.index("DK: tl.constexpr")
+        return args[:at] + SPLIT_ARGS + args[at:]
+
+    def bounds(self, blk: str) -> str:
+        return f"tl.minimum(tl.maximum({blk}, split_lo), split_hi)"
+
+    def prologue(self) -> None:
+        KernelWriter.prologue(self)
+        self.outer.lines += ["NUM_B = tl.num_programs(1)", f"WS_C = {columns(self.r)[1]}"]
+
+    def split_range(self) -> None:
+        self.outer.lines += [
+            "pid_s = tl.program_id(2)",
+            "split_lo = pid_s * BLOCKS_PER_SPLIT",
+            "split_hi = tl.minimum(split_lo + BLOCKS_PER_SPLIT, tl.cdiv(N, BLOCK_N))",
+        ]
+
+    def epilogue(self) -> None:
+        cols, _ = columns(self.r)
+        row = _ws_row("pid_s")
+        self.outer.lines.append("# raw states of this split; the combine kernel merges them")
+        for j, red in enumerate(self.r.reductions):
+            if red.kind == "dot":
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]} + offs_dv[None, :], r{j}, "
+                                        f"mask=mask_m[:, None] & mask_dv[None, :])")
+            else:
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]}, r{j}, mask=mask_m[:, None])")
+
+
+class CombineWriter(SplitWriter):
+    """Merges the splits' states and runs the region's epilogue."""
+
+    def passes(self) -> None:
+        r, lines = self.r, self.outer.lines
+        cols, _ = columns(r)
+        row = _ws_row("s")
+        maxes = [j for j, red in enumerate(r.reductions) if red.kind == "max"]
+        others = [j for j, red in enumerate(r.reductions) if red.kind != "max"]
+        lines += [f"r{j} = tl.full([BLOCK_M, 1], {NEG_INF}, tl.float32)" for j in maxes]
+        lines.append("for s in range(0, SPLITS):")
+        lines += [f"    r{j} = tl.maximum(r{j}, tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
+                  f"other={NEG_INF}))" for j in maxes]
+        lines += [f"r{j}_safe = tl.where(r{j} == {NEG_INF}, 0.0, r{j})" for j in maxes]
+        for j in others:
+            width = "BLOCK_DV" if r.reductions[j].kind == "dot" else "1"
+            lines.append(f"r{j} = tl.zeros([BLOCK_M, {width}], tl.float32)")
+        lines.append("for s in range(0, SPLITS):")
+        online = sorted({r.reductions[j].online for j in others} - {None})
+        lines += [f"    alpha{j} = tl.exp(tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
+                  f"other={NEG_INF}) - r{j}_safe)  # split max -> final max" for j in online]
+        for j in others:
+            red = r.reductions[j]
+            ptr, mask = f"ws_ptr + {row} + {cols[j]}", "mask_m[:, None]"
+            if red.kind == "dot":
+                ptr, mask = ptr + " + offs_dv[None, :]", mask + " & mask_dv[None, :]"
+            scale = f" * alpha{red.online}" if red.online is not None else ""
+            lines.append(f"    r{j} += tl.load({ptr}, mask={mask}, other=0.0){scale}")
+
+    def epilogue(self) -> None:
+        KernelWriter.epilogue(self)
+
+
+def generate_split(region: Region, name: str, allow_tf32: bool = False,
+                   interpret: bool = False) -> tuple[str, list]:
+    """Source of ``{name}_split`` and ``{name}_combine`` (same arguments) and the split kernel's
+    block statistics."""
+    split = SplitWriter(region, f"{name}_split", allow_tf32, interpret)
+    split.prologue()
+    split.split_range()
+    split.passes()
+    split.epilogue()
+    combine = CombineWriter(region, f"{name}_combine", allow_tf32, interpret)
+    combine.stats = split.stats          # same signature: the runtime passes one argument list
+    combine.prologue()
+    combine.passes()
+    combine.epilogue()
+    return (f"import triton\nimport triton.language as tl\n{HELPERS}\n\n{split.assemble()}\n\n"
+            f"{combine.assemble()}", split.stats)

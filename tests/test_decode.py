@@ -1,0 +1,113 @@
+"""Split-KV decoding: few queries against many keys run as a split kernel plus a combine kernel,
+for every variant (GQA, causal with the queries at the end, ALiBi, paged KV caches, extra row
+outputs), matching float64 eager; fully masked rows give 0 (and logsumexp -inf)."""
+import pytest
+import torch
+
+import flashlight
+from flashlight.examples import paged_decode
+from flashlight.runtime import decode
+from flashlight.runtime.op import REGISTRY
+from flashlight.testing import reference, rel_error, to64
+
+
+def gqa_causal_offset(q, k, v):
+    B, H, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    k = k[:, :, None].expand(B, Hkv, H // Hkv, N, D).reshape(B, H, N, D)
+    v = v[:, :, None].expand(B, Hkv, H // Hkv, N, D).reshape(B, H, N, D)
+    s = q @ k.mT * D ** -0.5
+    q_pos = N - M + torch.arange(M)[:, None]
+    return torch.softmax(s.masked_fill(torch.arange(N) > q_pos, float("-inf")), -1) @ v
+
+
+def alibi_offset(q, k, v):
+    H, M, N = q.shape[1], q.shape[2], k.shape[2]
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+    dist = torch.arange(N)[None, :] - (N - M + torch.arange(M)[:, None])
+    s = q @ k.mT * q.shape[-1] ** -0.5 + slopes[:, None, None] * dist
+    return torch.softmax(s.masked_fill(dist > 0, float("-inf")), -1) @ v
+
+
+def padded_with_lse(q, k, v, lens):
+    """Per-sequence cache lengths; a sequence of length 0 has every key masked."""
+    s = q @ k.mT * q.shape[-1] ** -0.5
+    s = s.masked_fill(torch.arange(k.shape[2]) >= lens[:, None, None, None], float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    monkeypatch.setattr(decode, "FORCE_SPLITS", 3)
+
+
+def run_split(fn, *args, tol=1e-4):
+    """Compile ``fn``, run it, check that the split kernels ran, return (outputs, eager fp64)."""
+    report = flashlight.explain(fn, *args)
+    assert len(report.regions) == 1, str(report)
+    c = REGISTRY[report.regions[0].key]
+    before = c.split.launches if c.split else 0
+    got = torch.compile(fn, backend="flashlight")(*args)
+    assert c.split and c.split.launches > before, "the split-KV path did not run"
+    return got, report
+
+
+@pytest.mark.parametrize("M,N", [(1, 333), (4, 517)])
+def test_gqa_causal_with_offset(splits, M, N):
+    q = torch.randn(2, 4, M, 16)
+    k, v = torch.randn(2, 2, N, 16), torch.randn(2, 2, N, 16)
+    out, report = run_split(gqa_causal_offset, q, k, v)
+    assert "gqa" in report.regions[0].features
+    assert rel_error(out, reference(gqa_causal_offset, q, k, v)) < 1e-4
+
+
+def test_alibi(splits):
+    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 421, 16), torch.randn(1, 4, 421, 16)
+    out, _ = run_split(alibi_offset, q, k, v)
+    assert rel_error(out, reference(alibi_offset, q, k, v)) < 1e-4
+
+
+def test_paged_kv_cache_is_read_through_the_block_table(splits):
+    inputs = paged_decode.make_inputs(B=2, H=4, M=300, D=16, group=2)
+    out, report = run_split(paged_decode.attention, *inputs)
+    ir = report.regions[0].ir
+    k_index = ir.split("dot0:")[1].split("\n")[0]
+    assert "[b0, idiv(n, 16)]" in k_index, ir     # K's page: the block table read at (b, n // PAGE)
+    assert rel_error(out, reference(paged_decode.attention, *inputs)) < 1e-4
+
+
+def test_fully_masked_rows_and_logsumexp(splits):
+    q, k, v = torch.randn(3, 2, 1, 16), torch.randn(3, 2, 350, 16), torch.randn(3, 2, 350, 16)
+    lens = torch.tensor([350, 0, 100])
+    (out, lse), _ = run_split(padded_with_lse, q, k, v, lens)
+    ref_out, ref_lse = padded_with_lse(*(to64(x) for x in (q, k, v)), lens)
+    assert torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
+    assert rel_error(out, torch.nan_to_num(ref_out, nan=0.0)) < 1e-4
+    fin = torch.isfinite(ref_lse)
+    assert rel_error(lse[fin], ref_lse[fin]) < 1e-4
+
+
+def test_multi_pass_regions_keep_the_one_kernel_forward(splits):
+    """A hand-written softmax whose normaliser is not online needs two passes: no split."""
+    def two_pass(q, k, v):
+        s = q @ k.mT
+        p = torch.exp(s - s.amax(-1, keepdim=True))
+        return (p / p.sum(-1, keepdim=True)).square() @ v
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+    report = flashlight.explain(two_pass, q, k, v)
+    assert "2-pass" in report.regions[0].features
+    c = REGISTRY[report.regions[0].key]
+    out = torch.compile(two_pass, backend="flashlight")(q, k, v)
+    assert c.split is False
+    assert rel_error(out, reference(two_pass, q, k, v)) < 1e-4
+
+
+@pytest.mark.parametrize("M,N,programs,sms,expect", [
+    (1, 4096, 256, 132, (3, 22)),      # B=8 H=32: a few splits to reach 4 programs per SM
+    (1, 32768, 64, 132, (9, 57)),      # few programs (GQA-packed heads): more splits
+    (1, 256, 8, 132, (1, 4)),          # 4 key blocks: too short to split
+    (64, 4096, 8, 132, (1, 64)),       # prefill: never split
+    (1, 4096, 8, 0, (1, 64)),          # no SMs (interpreter): not unless forced
+])
+def test_split_heuristic(M, N, programs, sms, expect):
+    assert decode.plan(M, N, programs, 64, sms) == expect
