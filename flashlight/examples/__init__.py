@@ -9,7 +9,7 @@ FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask
               "gqa", "cross_attention", "key_padding"]
 # ... and these it cannot (several softmaxes, post-softmax ops, epilogues, no softmax at all).
 BEYOND_NAMES = ["diff_attention", "gated", "hand_softmax", "relu_attention", "sigmoid_attention",
-                "evoformer", "relative_position"]
+                "evoformer", "relative_position", "post_softmax"]
 # ... and decoding (few queries against a long KV cache: split-KV kernels).
 DECODE_NAMES = ["paged_decode"]
 NAMES = FLEX_NAMES + BEYOND_NAMES + DECODE_NAMES
