@@ -108,9 +108,33 @@ def _identity(b, node, x, *_, **__):
 
 
 def _dropout(b, node, x, p, train):
+    """Training dropout: keep where a Philox draw at the element's linear index exceeds p, scaled
+    by 1 / (1 - p). The seed is a 0-d input drawn per call (``runtime/rng.py``)."""
     if not train or p == 0:
         return _identity(b, node, x)
-    return b.decline(node, "dropout in training mode is not fused yet (issue: dropout with a counter-based RNG)")
+    if not 0 < p < 1:
+        return b.decline(node, f"dropout with p={p}")
+    s, seed = b.sym(x), b.sym(_seed_node(node))
+    shape = out_shape(node)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    p32 = float(torch.tensor(p, dtype=torch.float32))     # the threshold the kernel compares in fp32
+
+    def fn(idx):
+        offset = const(0)
+        for i, st in zip(idx, strides):
+            offset = offset + i * st
+        keep = call("gt", call("rand", seed(()), offset), const(p32))
+        return call("where", keep, call("mul", coerce(s(idx), "f"), const(1.0 / (1.0 - p))), const(0.0))
+    return Sym(shape, "f", fn)
+
+
+def _seed_node(node: fx.Node) -> fx.Node:
+    """A ``flashlight::seed`` call in front of ``node`` (dead code if the region is not fused)."""
+    from ..runtime import rng  # noqa: F401 — registers the op
+    with node.graph.inserting_before(node):
+        seed = node.graph.call_function(torch.ops.flashlight.seed.default, (meta(node).device,))
+    seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
+    return seed
 
 
 # -- views ------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ TRITON: dict[str, str] = {
     "sin": "tl.sin({0})", "cos": "tl.cos({0})", "floor": "tl.floor({0})", "ceil": "tl.ceil({0})",
     "where": "tl.where({0}, {1}, {2})",
     "to_f": "{0}.to(tl.float32)", "to_i": "{0}.to(tl.int64)", "to_b": "{0} != 0",
+    "rand": "tl.rand({0}, ({1}).to(tl.int64))",    # Philox at a 64-bit counter (ir/philox.py)
 }
 FLOAT_OPERANDS = {"div", "div_safe", "pow", "exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt",
                   "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "sin", "cos"}

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import philox
 from .expr import Expr, walk
 from .region import Region
 
@@ -30,6 +31,7 @@ OPS: dict[str, Callable] = {
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "erf": torch.erf,
     "sin": torch.sin, "cos": torch.cos, "floor": torch.floor, "ceil": torch.ceil, "round": torch.round,
     "where": torch.where,
+    "rand": philox.rand,
 }
 
 

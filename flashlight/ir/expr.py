@@ -96,6 +96,7 @@ POINTWISE: dict[str, tuple[int, str | None]] = {
     "sin": (1, "f"), "cos": (1, "f"), "floor": (1, None), "ceil": (1, None), "round": (1, None),
     "where": (3, None),         # kind follows the second operand (promoted with the third)
     "to_f": (1, "f"), "to_i": (1, "i"), "to_b": (1, "b"),
+    "rand": (2, "f"),           # rand(seed, offset): uniform [0, 1) from Philox (Triton's tl.rand)
 }
 
 
