@@ -58,13 +58,22 @@ def test_gqa_causal_with_offset(splits, M, N):
     k, v = torch.randn(2, 2, N, 16), torch.randn(2, 2, N, 16)
     out, report = run_split(gqa_causal_offset, q, k, v)
     assert "gqa" in report.regions[0].features
+    assert REGISTRY[report.regions[0].key].split.group == 2      # 2 query heads per K/V tile load
     assert rel_error(out, reference(gqa_causal_offset, q, k, v)) < 1e-4
 
 
-def test_alibi(splits):
-    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 421, 16), torch.randn(1, 4, 421, 16)
-    out, _ = run_split(alibi_offset, q, k, v)
-    assert rel_error(out, reference(alibi_offset, q, k, v)) < 1e-4
+def alibi_gqa(q, k, v):
+    """ALiBi's per-query-head slopes with K/V heads shared by pairs of query heads."""
+    k, v = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    return alibi_offset(q, k, v)
+
+
+@pytest.mark.parametrize("fn,hkv", [(alibi_offset, 4), (alibi_gqa, 2)], ids=["mha", "gqa"])
+def test_alibi(splits, fn, hkv):
+    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, hkv, 421, 16), torch.randn(1, hkv, 421, 16)
+    out, report = run_split(fn, q, k, v)
+    assert REGISTRY[report.regions[0].key].split.group == 4 // hkv
+    assert rel_error(out, reference(fn, q, k, v)) < 1e-4
 
 
 def test_paged_kv_cache_is_read_through_the_block_table(splits):

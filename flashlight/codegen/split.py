@@ -15,7 +15,9 @@ Only regions whose reductions all run in one pass can be split (``splittable``).
 """
 from __future__ import annotations
 
-from ..ir import Region
+from dataclasses import replace
+
+from ..ir import Region, Row, const, free_vars, substitute, var, verify, walk
 from .emit import HELPERS
 from .kernel import NEG_INF, KernelWriter
 
@@ -24,6 +26,42 @@ SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
 
 def splittable(region: Region) -> bool:
     return len(region.passes()) == 1
+
+
+def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
+    """Grouped-query decoding: the G query heads sharing a K/V head become G * M rows of one
+    program, so K/V tiles are loaded once per group instead of once per query head.
+
+    The last batch var h must reach K and V only as ``h // G``; then with h' the K/V head and
+    m' the packed row, h = h' * G + m' // M and m = m' % M everywhere else (the output
+    (.., H, M, DV) viewed as (.., H / G, G * M, DV) is the packed output). Returns the packed
+    region and G, or None."""
+    if not region.batch:
+        return None
+    hv = var(region.batch_vars[-1])
+    kv = [d.k for d in region.dots] + [r.v for r in region.reductions if r.v is not None]
+    groups = {x.args[1].args[0] for e in kv for x in walk(e)
+              if x.op == "idiv" and x.args[0] == hv and x.args[1].op == "const"}
+    if len(groups) != 1:
+        return None
+    G = groups.pop()
+    if G < 2 or region.batch[-1] % G or G * region.M > max_m:
+        return None
+    marker = var("kv_head")
+    to_kv = lambda e: substitute(e, lambda x: marker if x.op == "idiv" and x.args == (hv, const(G)) else None)  # noqa: E731
+    if any(hv.args[0] in free_vars(to_kv(e)) for e in kv):
+        return None                      # K or V also read at the query head itself
+    kv_of = lambda e: substitute(to_kv(e), lambda x: hv if x == marker else None)  # noqa: E731
+    M = region.M
+    new_h, new_m = hv * G + var("m") // M, var("m") % M
+    rows = lambda e: substitute(e, lambda x: new_h if x == hv else new_m if x == var("m") else None)  # noqa: E731
+    packed = replace(
+        region, batch=region.batch[:-1] + (region.batch[-1] // G,), M=G * M,
+        dots=[replace(d, q=rows(d.q), k=kv_of(d.k)) for d in region.dots],
+        reductions=[replace(r, body=rows(r.body), v=kv_of(r.v) if r.v is not None else None)
+                    for r in region.reductions],
+        out=rows(region.out), rows=[Row(rows(x.expr), x.dtype) for x in region.rows])
+    return verify(packed), G
 
 
 def columns(region: Region) -> tuple[list[str], str]:

@@ -2,7 +2,8 @@
 
 With few queries (M ≤ 16) the forward grid is tiny (one M block per batch index), so a long key
 loop runs on a handful of SMs. Splitting the keys gives ``splits`` programs per (M block, batch
-index) and a small combine kernel (``codegen/split.py``).
+index) and a small combine kernel (``codegen/split.py``). Query heads that share a K/V head
+(GQA) are packed into the rows of one program first, so each K/V tile is loaded once per group.
 
 Heuristic (per call, from sizes only): aim for ``PROGRAMS_PER_SM`` programs per SM, without
 giving a split fewer than ``MIN_BLOCKS`` key blocks (below that the scratch round trip and the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..codegen.split import generate_split, splittable
+from ..codegen.split import generate_split, pack_heads, splittable
 from .cache import load_module, source_hash
 
 MAX_M = 16
@@ -57,32 +58,46 @@ def plan(M: int, N: int, programs: int, block_n: int, sms: int) -> tuple[int, in
 
 @dataclass
 class SplitKernels:
+    """The split and combine kernels of a region, generated for ``region``: the original one, or
+    with grouped query heads packed into rows (``group`` > 1, see ``codegen.split.pack_heads``)."""
+    region: object
+    group: int
     split: object
     combine: object
+    stats: list
     source: str
     launches: int = 0
 
+    def launch(self, inputs: list[torch.Tensor], outs: list[torch.Tensor], cfg) -> bool:
+        """Run split + combine into ``outs`` if the plan splits the keys; False otherwise."""
+        from .op import kernel_args, launch_meta
+        r = self.region
+        programs_b = math.prod(r.batch)
+        grid_m = triton.cdiv(r.M, cfg.BLOCK_M)
+        splits, per = plan(r.M, r.N, grid_m * programs_b, cfg.BLOCK_N, sm_count(inputs[0].device))
+        if splits == 1:
+            return False
+        views = [outs[0].view(*r.batch, r.M, r.DV)] + [o.view(*r.batch, r.M) for o in outs[1:]]
+        width = sum(1 if red.kind != "dot" else r.DV for red in r.reductions)
+        ws = torch.empty((splits, programs_b, r.M, width), dtype=torch.float32, device=inputs[0].device)
+        args = [*kernel_args(r, self.stats, inputs, views, cfg), ws, splits, per]
+        meta = launch_meta(r, cfg)
+        self.split[(grid_m, programs_b, splits)](*args, **meta)
+        self.combine[(grid_m, programs_b)](*args, **meta)
+        self.launches += 1
+        return True
 
-def compile_split(name: str, region, allow_tf32: bool, interpret: bool) -> SplitKernels | None:
-    """The split and combine kernels of a region (None when its reductions need several passes)."""
+
+def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | None:
+    """The split-KV kernels of a region, its query heads packed when they share K/V heads (None
+    when its reductions need several passes)."""
     if not splittable(region):
         return None
+    region, group = pack_heads(region, MAX_M) or (region, 1)
     placeholder = "fl_dec"
-    source, _ = generate_split(region, placeholder, allow_tf32, interpret)
+    source, stats = generate_split(region, placeholder, allow_tf32, interpret)
     mod_name = f"fl_dec_{source_hash(source)}"
     source = source.replace(f"def {placeholder}_", f"def {mod_name}_")
     module, _ = load_module(mod_name, source)
-    return SplitKernels(getattr(module, f"{mod_name}_split"), getattr(module, f"{mod_name}_combine"), source)
-
-
-def launch_split(kernels: SplitKernels, region, args: list, meta: dict, cfg, splits: int, per: int,
-                 device: torch.device) -> None:
-    """Run the split kernel over (M blocks, batch, splits), then the combine over (M blocks, batch)."""
-    programs_b = math.prod(region.batch)
-    width = sum(1 if red.kind != "dot" else region.DV for red in region.reductions)
-    ws = torch.empty((splits, programs_b, region.M, width), dtype=torch.float32, device=device)
-    full = [*args, ws, splits, per]
-    grid_m = triton.cdiv(region.M, cfg.BLOCK_M)
-    kernels.split[(grid_m, programs_b, splits)](*full, **meta)
-    kernels.combine[(grid_m, programs_b)](*full, **meta)
-    kernels.launches += 1
+    return SplitKernels(region, group, getattr(module, f"{mod_name}_split"), getattr(module, f"{mod_name}_combine"),
+                        stats, source)

@@ -93,36 +93,17 @@ class CompiledRegion:
     def launch(self, inputs: list[torch.Tensor], cfg: Config) -> list[torch.Tensor]:
         r = self.region
         outs = self.new_outputs(inputs[0])
-        args: list = []
-        for x in inputs:
-            args += [x, *x.stride()]
-        for o in outs:
-            args += [o, *o.stride()]
-        stats: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        for st in self.stats:     # ids read along m and along n: one reduction when blocks agree
-            key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
-            if key not in stats:
-                stats[key] = block_minmax(inputs[st.input], st.dim, key[2])
-            lo, hi = stats[key]
-            args += [lo, hi, *lo.stride()]
-        args += [*r.batch, r.M, r.N]
-        grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
-        meta = dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
-                    SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
-                    BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
-        device = inputs[0].device
-        splits, per = decode.plan(r.M, r.N, grid[0] * grid[1], cfg.BLOCK_N, decode.sm_count(device))
-        if splits > 1 and self.split_kernels():
-            decode.launch_split(self.split, r, args, meta, cfg, splits, per, device)
-        else:
-            self.kernel[grid](*args, **meta)
+        split = self.split_kernels()
+        if not (split and split.launch(inputs, outs, cfg)):
+            grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
+            self.kernel[grid](*kernel_args(r, self.stats, inputs, outs, cfg), **launch_meta(r, cfg))
         self.launches += 1
         return outs
 
     def split_kernels(self):
         """The split-KV kernels (compiled at first use; None when the region needs several passes)."""
         if self.split is None:
-            self.split = decode.compile_split(self.name, self.region, torch.backends.cuda.matmul.allow_tf32,
+            self.split = decode.compile_split(self.region, torch.backends.cuda.matmul.allow_tf32,
                                               interpreting()) or False
         return self.split or None
 
@@ -176,6 +157,30 @@ class CompiledRegion:
         # each gradient takes its input's layout, as the fake implementation promises
         return [torch.empty_like(x).copy_(grads[i]) if i in grads else torch.zeros_like(x)
                 for i, x in enumerate(inputs)]
+
+
+def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: list[torch.Tensor],
+                cfg: Config) -> list:
+    """Positional arguments of a generated kernel: inputs, outputs (with strides), the block
+    statistics its sparsity scan reads, and the sizes."""
+    args: list = []
+    for x in [*inputs, *outs]:
+        args += [x, *x.stride()]
+    stats: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    for st in block_stats:     # ids read along m and along n: one reduction when blocks agree
+        key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
+        if key not in stats:
+            stats[key] = block_minmax(inputs[st.input], st.dim, key[2])
+        lo, hi = stats[key]
+        args += [lo, hi, *lo.stride()]
+    return args + [*r.batch, r.M, r.N]
+
+
+def launch_meta(r: Region, cfg: Config) -> dict:
+    """Constexpr and launch keyword arguments of a generated kernel."""
+    return dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
+                SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
+                BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
 
 
 def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> float | None:
