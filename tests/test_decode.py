@@ -5,28 +5,10 @@ import pytest
 import torch
 
 import flashlight
-from flashlight.examples import paged_decode
+from flashlight.examples import decode_gqa, paged_decode
 from flashlight.runtime import decode
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import reference, rel_error, to64
-
-
-def gqa_causal_offset(q, k, v):
-    B, H, M, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    k = k[:, :, None].expand(B, Hkv, H // Hkv, N, D).reshape(B, H, N, D)
-    v = v[:, :, None].expand(B, Hkv, H // Hkv, N, D).reshape(B, H, N, D)
-    s = q @ k.mT * D ** -0.5
-    q_pos = N - M + torch.arange(M)[:, None]
-    return torch.softmax(s.masked_fill(torch.arange(N) > q_pos, float("-inf")), -1) @ v
-
-
-def alibi_offset(q, k, v):
-    H, M, N = q.shape[1], q.shape[2], k.shape[2]
-    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
-    dist = torch.arange(N)[None, :] - (N - M + torch.arange(M)[:, None])
-    s = q @ k.mT * q.shape[-1] ** -0.5 + slopes[:, None, None] * dist
-    return torch.softmax(s.masked_fill(dist > 0, float("-inf")), -1) @ v
 
 
 def padded_with_lse(q, k, v, lens):
@@ -56,20 +38,15 @@ def run_split(fn, *args, tol=1e-4):
 def test_gqa_causal_with_offset(splits, M, N):
     q = torch.randn(2, 4, M, 16)
     k, v = torch.randn(2, 2, N, 16), torch.randn(2, 2, N, 16)
-    out, report = run_split(gqa_causal_offset, q, k, v)
+    out, report = run_split(decode_gqa.attention, q, k, v)
     assert "gqa" in report.regions[0].features
     assert REGISTRY[report.regions[0].key].split.group == 2      # 2 query heads per K/V tile load
-    assert rel_error(out, reference(gqa_causal_offset, q, k, v)) < 1e-4
+    assert rel_error(out, reference(decode_gqa.attention, q, k, v)) < 1e-4
 
 
-def alibi_gqa(q, k, v):
-    """ALiBi's per-query-head slopes with K/V heads shared by pairs of query heads."""
-    k, v = (x.repeat_interleave(2, dim=1) for x in (k, v))
-    return alibi_offset(q, k, v)
-
-
-@pytest.mark.parametrize("fn,hkv", [(alibi_offset, 4), (alibi_gqa, 2)], ids=["mha", "gqa"])
-def test_alibi(splits, fn, hkv):
+@pytest.mark.parametrize("hkv", [4, 2], ids=["mha", "gqa"])
+def test_alibi(splits, hkv):
+    fn = decode_gqa.attention_alibi
     q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, hkv, 421, 16), torch.randn(1, hkv, 421, 16)
     out, report = run_split(fn, q, k, v)
     assert REGISTRY[report.regions[0].key].split.group == 4 // hkv

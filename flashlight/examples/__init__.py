@@ -11,7 +11,7 @@ FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask
 BEYOND_NAMES = ["diff_attention", "gated", "hand_softmax", "relu_attention", "sigmoid_attention",
                 "evoformer", "relative_position", "post_softmax"]
 # ... and decoding (few queries against a long KV cache: split-KV kernels).
-DECODE_NAMES = ["paged_decode"]
+DECODE_NAMES = ["decode_gqa", "paged_decode"]
 NAMES = FLEX_NAMES + BEYOND_NAMES + DECODE_NAMES
 
 
