@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashlight
-from flashlight.examples import decode_gqa, paged_decode
+from flashlight.examples import decode_gqa, paged_decode, relu_attention
 from flashlight.runtime import decode
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import reference, rel_error, to64
@@ -34,13 +34,12 @@ def run_split(fn, *args, tol=1e-4):
     return got, report
 
 
-@pytest.mark.parametrize("M,N", [(1, 333), (4, 517)])
-def test_gqa_causal_with_offset(splits, M, N):
+@pytest.mark.parametrize("M,N,hkv", [(1, 333, 2), (4, 517, 2), (1, 301, 1)], ids=["gqa-m1", "gqa-m4", "mqa"])
+def test_gqa_causal_with_offset(splits, M, N, hkv):
     q = torch.randn(2, 4, M, 16)
-    k, v = torch.randn(2, 2, N, 16), torch.randn(2, 2, N, 16)
+    k, v = torch.randn(2, hkv, N, 16), torch.randn(2, hkv, N, 16)
     out, report = run_split(decode_gqa.attention, q, k, v)
-    assert "gqa" in report.regions[0].features
-    assert REGISTRY[report.regions[0].key].split.group == 2      # 2 query heads per K/V tile load
+    assert REGISTRY[report.regions[0].key].split.group == 4 // hkv    # query heads per K/V tile load
     assert rel_error(out, reference(decode_gqa.attention, q, k, v)) < 1e-4
 
 
@@ -97,3 +96,10 @@ def test_multi_pass_regions_keep_the_one_kernel_forward(splits):
 ])
 def test_split_heuristic(M, N, programs, sms, expect):
     assert decode.plan(M, N, programs, 64, sms) == expect
+
+
+def test_softmax_free_attention_has_no_max_to_merge(splits):
+    """relu(s)^2 / N @ v: no max, only a P @ V product, merged by adding the splits."""
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 333, 16), torch.randn(1, 2, 333, 16)
+    out, _ = run_split(relu_attention.attention, q, k, v)
+    assert rel_error(out, reference(relu_attention.attention, q, k, v)) < 1e-4

@@ -32,7 +32,7 @@ def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
     """Grouped-query decoding: the G query heads sharing a K/V head become G * M rows of one
     program, so K/V tiles are loaded once per group instead of once per query head.
 
-    The last batch var h must reach K and V only as ``h // G``; then with h' the K/V head and
+    The last batch var h must reach K and V only as ``h // G`` (or not at all: G = H); then with h' the K/V head and
     m' the packed row, h = h' * G + m' // M and m = m' % M everywhere else (the output
     (.., H, M, DV) viewed as (.., H / G, G * M, DV) is the packed output). Returns the packed
     region and G, or None."""
@@ -42,6 +42,8 @@ def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
     kv = [d.k for d in region.dots] + [r.v for r in region.reductions if r.v is not None]
     groups = {x.args[1].args[0] for e in kv for x in walk(e)
               if x.op == "idiv" and x.args[0] == hv and x.args[1].op == "const"}
+    if not groups and not any(hv.args[0] in free_vars(e) for e in kv):
+        groups = {region.batch[-1]}        # one K/V head for all query heads (MQA)
     if len(groups) != 1:
         return None
     G = groups.pop()
@@ -123,7 +125,7 @@ class CombineWriter(SplitWriter):
         maxes = [j for j, red in enumerate(r.reductions) if red.kind == "max"]
         others = [j for j, red in enumerate(r.reductions) if red.kind != "max"]
         lines += [f"r{j} = tl.full([BLOCK_M, 1], {NEG_INF}, tl.float32)" for j in maxes]
-        lines.append("for s in range(0, SPLITS):")
+        lines += ["for s in range(0, SPLITS):"] if maxes else []
         lines += [f"    r{j} = tl.maximum(r{j}, tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
                   f"other={NEG_INF}))" for j in maxes]
         lines += [f"r{j}_safe = tl.where(r{j} == {NEG_INF}, 0.0, r{j})" for j in maxes]

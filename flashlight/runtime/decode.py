@@ -42,6 +42,11 @@ def sm_count(device: torch.device) -> int:
     return _SMS[idx]
 
 
+def may_split(region, device: torch.device) -> bool:
+    """Cheap test before the split kernels are compiled: few queries on a GPU, or forced."""
+    return FORCE_SPLITS is not None or (region.M <= MAX_M and sm_count(device) > 0)
+
+
 def plan(M: int, N: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
     """(splits, key blocks per split) for a forward of ``programs`` (M block, batch) programs."""
     n_blocks = triton.cdiv(N, block_n)

@@ -93,7 +93,7 @@ class CompiledRegion:
     def launch(self, inputs: list[torch.Tensor], cfg: Config) -> list[torch.Tensor]:
         r = self.region
         outs = self.new_outputs(inputs[0])
-        split = self.split_kernels()
+        split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
         if not (split and split.launch(inputs, outs, cfg)):
             grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
             self.kernel[grid](*kernel_args(r, self.stats, inputs, outs, cfg), **launch_meta(r, cfg))
