@@ -92,3 +92,15 @@ def test_eval_mode_dropout_is_the_identity():
     assert "dropout" not in report.regions[0].features
     ref = torch.softmax(q.double() @ k.double().mT, -1) @ v.double()
     assert rel_error(torch.compile(eval_attn, backend="flashlight")(q, k, v), ref) < 1e-5
+
+
+def test_two_products_of_one_dropped_tensor_share_its_mask():
+    """dropout(P) @ v1 and dropout(P) @ v2 are two regions; eager uses one mask for both."""
+    def two(q, k, v1, v2):
+        p = F.dropout(torch.softmax(q @ k.mT, -1), P, training=True)
+        return p @ v1, p @ v2
+    q, k = inputs()
+    eye = torch.eye(N).expand(B, H, N, N)
+    assert len(flashlight.explain(two, q, k, eye, 2 * eye).regions) == 2
+    a, b = torch.compile(two, backend="flashlight")(q, k, eye, 2 * eye)
+    assert (a != 0).float().mean() < 1 and torch.equal(2 * a, b)

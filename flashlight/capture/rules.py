@@ -129,12 +129,15 @@ def _dropout(b, node, x, p, train):
 
 
 def _seed_node(node: fx.Node) -> fx.Node:
-    """A ``flashlight::seed`` call in front of ``node`` (dead code if the region is not fused)."""
+    """The ``flashlight::seed`` call in front of ``node``: one per dropout, so regions that read
+    the same dropped-out tensor draw the same mask (dead code if no region is fused)."""
     from ..runtime import rng  # noqa: F401 — registers the op
-    with node.graph.inserting_before(node):
-        seed = node.graph.call_function(torch.ops.flashlight.seed.default, (meta(node).device,))
-    seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
-    return seed
+    if "flashlight_seed" not in node.meta:
+        with node.graph.inserting_before(node):
+            seed = node.graph.call_function(torch.ops.flashlight.seed.default, (meta(node).device,))
+        seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
+        node.meta["flashlight_seed"] = seed
+    return node.meta["flashlight_seed"]
 
 
 # -- views ------------------------------------------------------------------------------------
