@@ -38,13 +38,18 @@ def head_block(d: int) -> int:
 
 
 INTERPRETER = Config(16, 16, 1, 1)      # Triton's CPU interpreter is slow per element: small tiles
+# decoding (M <= 16): one block of 16 rows (tl.dot's minimum) holds every query
+DECODE = [(64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 2)]
 
 
-def heuristic(block_d: int, n_dots: int, data_stats: bool) -> Config:
+def heuristic(block_d: int, n_dots: int, data_stats: bool, M: int | None = None) -> Config:
     """The launch config used without autotuning (the default, as FlexAttention does), from the
     H200 sweep in docs/notes.md (session 2): over 7 variants, 64x64 w4 s3 is within 1.1% of the
     best config on average at D<=64 (worst 4.6%); at D=128 128x128 w8 s3 is within 3.1% (worst
-    20%, the document mask, where 64x64 w4 s3 is best: short live ranges favour small blocks)."""
+    20%, the document mask, where 64x64 w4 s3 is best: short live ranges favour small blocks).
+    Decoding (``M`` <= 16) takes the first decode config: 16 query rows, 64 keys per block."""
+    if M is not None and M <= 16:
+        return candidates(block_d, n_dots, M)[0]
     if block_d >= 256:
         return Config(64, 64, 4, 2)       # shared memory: K and V tiles of a 256-wide head
     if block_d >= 128 and not data_stats:
@@ -52,8 +57,11 @@ def heuristic(block_d: int, n_dots: int, data_stats: bool) -> Config:
     return Config(64, 64, 4, 3)
 
 
-def candidates(block_d: int, n_dots: int = 1) -> list[Config]:
-    """The autotuning space (``mode="max-autotune"``), pruned by head dim and score tile count."""
+def candidates(block_d: int, n_dots: int = 1, M: int | None = None) -> list[Config]:
+    """The autotuning space (``mode="max-autotune"``), pruned by head dim and score tile count;
+    decode configs (BLOCK_M = 16) when ``M`` <= 16."""
+    if M is not None and M <= 16:
+        return [Config(16, bn, w, s) for bn, w, s in DECODE if not (block_d >= 256 and bn > 64)]
     configs = []
     for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
                          (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (64, 32, 4, 3)]:
