@@ -57,11 +57,46 @@ def lower(region: Region, max_autotune: bool = False):
 
 
 def replace(graph: fx.Graph, match: Match, key: str) -> None:
+    if match.rows:
+        return replace_with_rows(graph, match, key)
     with graph.inserting_before(match.root):
         call = graph.call_function(torch.ops.flashlight.region.default, (key, list(match.leaves)))
         out = graph.call_function(operator.getitem, (call, 0))      # [1]: row statistics for autograd
     out.meta.update(match.root.meta)
     match.root.replace_all_uses_with(out)
+
+
+def replace_with_rows(graph: fx.Graph, match: Match, key: str) -> None:
+    """One call returns the output and the extra row outputs (each (*batch, M), viewed back to
+    the shape the program had, e.g. keepdim's trailing 1)."""
+    with graph.inserting_before(match.root):
+        call = graph.call_function(torch.ops.flashlight.region_rows.default, (key, list(match.leaves)))
+        outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(match.rows) + 1)]
+        views = [graph.call_function(torch.ops.aten.view.default, (o, list(n.meta["val"].shape)))
+                 for o, n in zip(outs[1:], match.rows)]
+    for node, new in zip([match.root, *match.rows], [outs[0], *views]):
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+    _toposort(graph)      # a row output (logsumexp) may be used before the root in node order
+
+
+def _toposort(graph: fx.Graph) -> None:
+    """Move nodes after their inputs, otherwise keeping the order they had."""
+    order, done = [], set()
+    for node in graph.nodes:
+        stack = [(node, False)]
+        while stack:
+            n, ready = stack.pop()
+            if n in done:
+                continue
+            if ready:
+                done.add(n)
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((i, False) for i in reversed(n.all_input_nodes) if i not in done)
+    for prev, n in zip(order, order[1:]):
+        prev.append(n)
 
 
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:

@@ -34,6 +34,8 @@ def features(region: Region) -> list[str]:
         feats.add("bias")
     if any(x.op == "tanh" for x in nodes):
         feats.add("softcap")
+    if any(x.op == "rand" for x in nodes):
+        feats.add("dropout")
     if any(r.online is not None for r in region.reductions):
         feats.add("online-softmax")
     if len(region.passes()) > 1:
@@ -48,6 +50,14 @@ def features(region: Region) -> list[str]:
         feats.add("epilogue-norm")
     if region.out_index is not None:
         feats.add("permuted-store")
+    if any(x.op == "load" and refs(x, "load") - {x.args[0]} for d in region.dots for x in walk(d.k)):
+        feats.add("paged-kv")       # K read through an index tensor (a block table)
+    from .codegen.split import splittable
+    from .runtime.decode import MAX_M
+    if region.M <= MAX_M and splittable(region):
+        feats.add("split-kv")
+    if region.rows:
+        feats.add(f"{len(region.rows)}-row-outputs")
     from .sparsity import dead_predicate, useful
     if any(useful(dead_predicate(region, p)) for p in region.passes()):
         feats.add("block-sparse")

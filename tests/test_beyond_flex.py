@@ -3,7 +3,7 @@ forward and backward: differential attention, gated output, hand-written softmax
 attention, Evoformer gated attention with pair bias, learned relative-position tables."""
 import pytest
 
-from flashlight.examples import BEYOND_NAMES, VARIANTS, diff_attention, evoformer, relative_position
+from flashlight.examples import BEYOND_NAMES, VARIANTS, diff_attention, evoformer, post_softmax, relative_position
 from helpers import check_fused, check_grads
 
 
@@ -22,7 +22,14 @@ def test_diff_attention_is_one_kernel_with_shared_v():
     assert loop.count(f"{v_ptr} = tl.load") == 1 and loop.count(f", {v_ptr},") == 2
 
 
-@pytest.mark.parametrize("mod", [diff_attention, evoformer, relative_position], ids=lambda m: m.__name__.rsplit(".")[-1])
+@pytest.mark.parametrize("mod", [diff_attention, evoformer, relative_position, post_softmax], ids=lambda m: m.__name__.rsplit(".")[-1])
 def test_gradients_reach_lambda_biases_and_tables(mod):
-    """DiffAttn and Evoformer have fused epilogues (dv-sum norm, permuted store): reference VJP."""
-    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16), generated=mod is relative_position)
+    """DiffAttn and Evoformer have fused epilogues (dv-sum norm, permuted store): reference VJP;
+    the relative-position table and the post-softmax gate get the generated backward."""
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16),
+                generated=mod in (relative_position, post_softmax))
+
+
+def test_post_softmax_gate_and_renormalisation_is_one_pass():
+    _, report = check_fused(post_softmax.attention, *post_softmax.make_inputs(B=1, H=2, M=37, D=16))
+    assert not any(f.endswith("-pass") for f in report.regions[0].features)

@@ -3,7 +3,7 @@ import torch
 
 from flashlight.ir import Reduction, call, const, dot, red, var
 from flashlight.ir.evaluate import evaluate
-from flashlight.rewrite import factor_rows, make_online, rewrite, scales
+from flashlight.rewrite import factor_rows, make_online, rewrite, scales, split_offsets
 from test_ir import softmax_region
 
 n = var("n")
@@ -84,3 +84,54 @@ def test_online_declines_an_extra_whose_max_is_not_seeded():
                                 extra=call("exp", call("sub", sink, red(0))))
     r = rewrite(r)
     assert r.reductions[1].online is None and r.passes() == [[0, 2], [1]]
+
+
+def _softmax_parts():
+    s = call("mul", dot(0), const(0.5))
+    return s, call("exp", call("sub", s, red(0)))
+
+
+def test_gate_and_second_mask_after_softmax_stay_one_pass():
+    """where(c, softmax * g, 0) @ v: the normaliser leaves the sum, the gate and mask stay."""
+    r = softmax_region()
+    _, e = _softmax_parts()
+    g = call("to_f", n)
+    p = call("where", call("lt", n, const(3)), const(0.0), call("mul", call("div_safe", e, red(1)), g))
+    r.reductions[2] = Reduction("dot", p, r.reductions[2].v)
+    r.out = red(2)
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    before = evaluate(r, [q, k, v])
+    r2 = rewrite(r)
+    assert r2.passes() == [[0, 1, 2]] and r2.out == call("div_safe", red(2), red(1))
+    assert torch.allclose(evaluate(r2, [q, k, v]), before, atol=1e-6)
+
+
+def test_renormalisation_becomes_an_online_sum():
+    """p = softmax * g; p / p.sum(): the second normaliser is sum(e * g) / l, online too."""
+    r = softmax_region()
+    _, e = _softmax_parts()
+    pg = call("mul", call("div_safe", e, red(1)), call("to_f", n))
+    r.reductions.insert(2, Reduction("sum", pg))
+    r.reductions[3] = Reduction("dot", call("div", pg, red(2)), r.reductions[3].v)
+    r.out = red(3)
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    before = evaluate(r, [q, k, v])
+    r2 = rewrite(r)
+    assert r2.passes() == [[0, 1, 2, 3]]
+    assert torch.allclose(evaluate(r2, [q, k, v]), before, atol=1e-5)
+
+
+def test_entropy_offset_is_split_against_the_normaliser():
+    """sum(e * (s - c)) = sum(e * s) - c * sum(e) when sum(e) is a reduction already."""
+    r = softmax_region()
+    s, e = _softmax_parts()
+    c = call("add", call("log", red(1)), red(0))
+    r.reductions.append(Reduction("sum", call("mul", e, call("sub", s, c))))
+    r.out = call("add", red(2), red(3))
+    r2 = split_offsets(r)
+    assert r2 is not None and r2.reductions[3].body == call("mul", e, s)
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    assert torch.allclose(evaluate(r2, [q, k, v]), evaluate(r, [q, k, v]), atol=1e-5)
+    assert rewrite(r).passes() == [[0, 1, 2, 3]]
+    r.reductions[3] = Reduction("sum", call("mul", call("exp", s), call("sub", s, c)))
+    assert split_offsets(r) is None          # sum(exp(s)) is not a reduction of the region

@@ -56,7 +56,8 @@ def test_sink_logit_read_back_is_the_column():
 
 @pytest.mark.parametrize("mod", [sinks, sinks_sliding_window], ids=lambda m: m.__name__.rsplit(".")[-1])
 def test_sink_gradients(mod):
-    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, N=30, D=16))
+    """Sink elements have no generated-backward rule yet (backward_support): reference VJP."""
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, N=30, D=16), generated=False)
 
 
 def test_other_concatenations_stay_unfused_leaves():

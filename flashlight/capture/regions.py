@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..ir import Input, Region, free_vars, refs
+from ..ir import Expr, Input, Region, Row, const, free_vars, refs
 from .epilogue import CONTRACTIONS, extend, packet
 from .rules import einsum_letters, permute_back
-from .symbolic import Builder, Unsupported, meta, static_shape
+from .symbolic import RULES, Builder, Unsupported, meta, static_shape
 
 aten = torch.ops.aten
 SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
@@ -31,6 +31,7 @@ class Match:
     region: Region
     leaves: list[fx.Node]
     inner: set[fx.Node] = field(default_factory=set)
+    rows: list[fx.Node] = field(default_factory=list)    # nodes replaced by region.rows, in order
 
 
 @dataclass
@@ -122,14 +123,78 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
         return None, b
     if not _is_attention(b):
         return None, None
+    rows = _row_outputs(b, root, epi.nodes | {contraction})
     region = Region(
         batch=batch, M=M, N=N, DK=b.DK, DV=DV,
         inputs=[Input(n.name, static_shape(meta(n)), meta(n).dtype) for n in b.inputs],
         dots=list(b.dots), reductions=list(b.reductions), out=out,
         out_dtype=meta(root).dtype, source=source_line(contraction),
         out_shape=None if epi.store is None else static_shape(meta(root)), out_index=epi.store,
+        rows=[Row(e, meta(n).dtype) for n, e in rows.items()],
     )
-    return Match(root, region, list(b.inputs), b.inner | epi.nodes), b
+    return Match(root, region, list(b.inputs), b.inner | epi.nodes | set(rows), list(rows)), b
+
+
+def _downstream(nodes: set[fx.Node]) -> set[fx.Node]:
+    out, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u not in out:
+                out.add(u)
+                stack.append(u)
+    return out
+
+
+def _upstream(nodes: set[fx.Node]) -> set[fx.Node]:
+    out, stack = set(), list(nodes)
+    while stack:
+        for i in stack.pop().all_input_nodes:
+            if i not in out:
+                out.add(i)
+                stack.append(i)
+    return out
+
+
+def _row_index(b: Builder, node: fx.Node) -> tuple | None:
+    """The kernel's row index for a (*batch, M) or (*batch, M, 1) tensor, else None."""
+    t = meta(node)
+    if t is None or t.dtype == torch.bool:
+        return None
+    shape, nb = static_shape(t), len(b.batch)
+    if shape[:nb] != b.batch or shape[nb:nb + 1] != (b.M,) or shape[nb + 1:] not in ((), (1,)):
+        return None
+    return b.bvars + (b.m,) + (const(0),) * (len(shape) - nb - 1)
+
+
+def _row_outputs(b: Builder, root: fx.Node, epilogue: set[fx.Node]) -> dict[fx.Node, Expr]:
+    """Row-shaped values the program computes from the region's reductions (logsumexp, row max,
+    entropy ...) become extra outputs of the same kernel. Each candidate is evaluated with the
+    region's builder, so its reductions over N are shared with the region's (logsumexp reuses
+    softmax's max and sum) or added to it; a candidate that does not reduce to a row expression
+    is rolled back. Returns the nodes other code still reads, with their expressions.
+    ``epilogue``: the P @ V contraction and the epilogue nodes up to ``root``, already fused."""
+    after, touched, feeds = _downstream(epilogue | {root}), _downstream(b.inner), _upstream(b.leaves)
+    accepted: dict[fx.Node, Expr] = {}
+    for node in root.graph.nodes:
+        if node in b.inner or node in epilogue or node in after or node in feeds or node not in touched or packet(node) not in RULES:
+            continue     # (a value the region itself loads cannot be one of its outputs)
+        idx = _row_index(b, node)
+        if idx is None:
+            continue
+        saved = b.snapshot()
+        try:
+            e = b.sym(node)(idx)
+        except Unsupported:
+            e = None
+        if e is None or "n" in free_vars(e) or refs(e, "dot") or not refs(e, "red") or \
+                any(b.reductions[j].kind == "dot" for j in refs(e, "red")) or \
+                (b.leaves - saved.leaves) & (after | _downstream(set(accepted))):
+            b.restore(saved)
+            continue
+        accepted[node] = e
+    done = b.inner | epilogue | set(accepted) | {root}
+    return {n: e for n, e in accepted.items() if any(u not in done for u in n.users)}
 
 
 def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:

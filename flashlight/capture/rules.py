@@ -110,9 +110,36 @@ def _identity(b, node, x, *_, **__):
 
 
 def _dropout(b, node, x, p, train):
+    """Training dropout: keep where a Philox draw at the element's linear index exceeds p, scaled
+    by 1 / (1 - p). The seed is a 0-d input drawn per call (``runtime/rng.py``)."""
     if not train or p == 0:
         return _identity(b, node, x)
-    return b.decline(node, "dropout in training mode is not fused yet (issue: dropout with a counter-based RNG)")
+    if not 0 < p < 1:
+        return b.decline(node, f"dropout with p={p}")
+    s, seed = b.sym(x), b.sym(_seed_node(node))
+    shape = out_shape(node)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    p32 = float(torch.tensor(p, dtype=torch.float32))     # the threshold the kernel compares in fp32
+
+    def fn(idx):
+        offset = const(0)
+        for i, st in zip(idx, strides):
+            offset = offset + i * st
+        keep = call("gt", call("rand", seed(()), offset), const(p32))
+        return call("where", keep, call("mul", coerce(s(idx), "f"), const(1.0 / (1.0 - p))), const(0.0))
+    return Sym(shape, "f", fn)
+
+
+def _seed_node(node: fx.Node) -> fx.Node:
+    """The ``flashlight::seed`` call in front of ``node``: one per dropout, so regions that read
+    the same dropped-out tensor draw the same mask (dead code if no region is fused)."""
+    from ..runtime import rng  # noqa: F401 — registers the op
+    if "flashlight_seed" not in node.meta:
+        with node.graph.inserting_before(node):
+            seed = node.graph.call_function(torch.ops.flashlight.seed.default, (meta(node).device,))
+        seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
+        node.meta["flashlight_seed"] = seed
+    return node.meta["flashlight_seed"]
 
 
 # -- views ------------------------------------------------------------------------------------
@@ -306,6 +333,8 @@ def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Bu
     dims = [dims] if isinstance(dims, int) else list(dims)
     if len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
         return b.decline(node, f"{node.target} over dims {dims}: only reductions over the key (last) dim fuse")
+    if s.shape[-1] not in (b.N, b.N + 1):
+        return None      # a reduction over some other last dim (a head dim): not over the keys (+ a sink)
 
     def fn(idx):
         head = idx[:-1] if keepdim else idx
@@ -590,6 +619,7 @@ RULES.update({
     aten.permute: _permute, aten.transpose: _transpose, aten.t: _t, aten.mT: _mT,
     aten.unsqueeze: _unsqueeze, aten.squeeze: _squeeze, aten.expand: _expand,
     aten.expand_as: _expand, aten.view: _reshape, aten.reshape: _reshape, aten._unsafe_view: _reshape,
+    aten.flatten: _reshape, aten.unflatten: _reshape,
     aten.slice: _slice, aten.select: _select, aten.cat: _cat, aten.repeat_interleave: _repeat_interleave,
     aten.repeat: _repeat, aten.index: _index,
     # index generators

@@ -96,6 +96,21 @@ class Builder:
         self.declined: dict[fx.Node, str] = {}   # why a rule left a node as a leaf
         self.epilogue: set[fx.Node] = set()      # nodes after P @ V: their sums run over dv
 
+    # -- trial evaluation ------------------------------------------------------------------
+    def snapshot(self) -> "Builder":
+        """A copy of the state, for ``restore`` after a trial evaluation that is rejected."""
+        saved = Builder(self.batch, self.M, self.N, self.DV)
+        saved.DK = self.DK
+        for name in ("inputs", "dots", "reductions", "syms", "inner", "leaves", "declined"):
+            setattr(saved, name, type(getattr(self, name))(getattr(self, name)))
+        return saved
+
+    def restore(self, saved: "Builder") -> None:
+        for name in ("DK", "inputs", "dots", "reductions", "syms", "inner", "leaves", "declined"):
+            setattr(self, name, getattr(saved, name))
+        for s in self.syms.values():     # memoised elements may name rolled-back dots/reductions
+            s.memo.clear()
+
     # -- operands ---------------------------------------------------------------------------
     def sym(self, arg) -> Sym:
         if isinstance(arg, (bool, int, float)):

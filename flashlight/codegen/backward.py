@@ -71,6 +71,8 @@ def backward_support(region: Region) -> str | None:
     read inside a body would need a pass over N before the tile loop)."""
     if region.out_index is not None:
         return "the output is stored through a permuted or reshaped index (dO would be read that way)"
+    if region.rows:
+        return "the region has extra row outputs (flashlight::region_rows: the reference VJP)"
     for j, r in enumerate(region.reductions):
         if r.extra is not None:
             return f"red{j} has a sink element (its gradient has no rule yet)"

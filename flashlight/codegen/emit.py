@@ -37,6 +37,7 @@ TRITON: dict[str, str] = {
     "to_f": "{0}.to(tl.float32)", "to_i": "{0}.to(tl.int64)", "to_b": "{0} != 0",
     # the output tile holds whole rows of dv (BLOCK_DV >= DV): a row sum, padding columns masked
     "sum_dv": "tl.sum(tl.where(mask_dv[None, :], {0} + tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), 0.0), 1, keep_dims=True)",
+    "rand": "tl.rand({0}, ({1}).to(tl.int64))",    # Philox at a 64-bit counter (ir/philox.py)
 }
 FLOAT_OPERANDS = {"div", "div_safe", "pow", "exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt",
                   "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "sin", "cos", "sum_dv"}

@@ -96,6 +96,7 @@ class KernelWriter:
             indent = "    " if guard else ""
             lines = [guard] if guard else []
             for lo, hi, full in segs:
+                lo, hi = self.bounds(lo), self.bounds(hi)
                 loop = Block(parent=out)
                 self.loop_body(members, loop, full)
                 lines.append(f"{indent}for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
@@ -126,7 +127,15 @@ class KernelWriter:
                 out.lines.append(f"r{j}_0 = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
                 em.red_names[j] = f"r{j}_0"
             else:
-                out.lines.append(f"r{j} = r{j} + {val}")
+                out.lines.append(f"r{j} = r{j} + {self.once(val)}")
+
+    def bounds(self, blk: str) -> str:
+        """A loop bound (in key blocks); the split-KV kernel clamps it to its share of N."""
+        return blk
+
+    def once(self, val: str) -> str:
+        """A seeded sum's extra element; a split-KV kernel adds it in one split only."""
+        return val
 
     def loop_body(self, members: list[int], loop: Block, full: bool) -> None:
         """One N block. ``full``: the block is inside N and every mask is proven to keep all of
@@ -232,6 +241,9 @@ class KernelWriter:
         nb = len(self.r.batch)
         args.append("out_ptr")
         args += [f"out_s{d}" for d in range(len(self.r.result_shape))]
+        for k in range(len(self.r.rows)):
+            args.append(f"row{k}_ptr")
+            args += [f"row{k}_s{d}" for d in range(nb + 1)]
         args += ["rowstats_ptr", "rowstats_sb", "rowstats_sm"]
         for k, st in enumerate(self.stats):
             args += [f"aux{k}_min", f"aux{k}_max"]
@@ -242,24 +254,10 @@ class KernelWriter:
                        "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                        "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
 
-    def write(self) -> str:
-        r, out = self.r, self.outer
-        nb = len(r.batch)
-        out.lines += ["pid_m = tl.program_id(0)", *batch_index(nb)]
-        out.lines += [
-            "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-            "offs_dk = tl.arange(0, BLOCK_DK)",
-            "offs_dv = tl.arange(0, BLOCK_DV)",
-            # bounds masks; constant true (and folded away) where the sizes fit the blocks
-            "mask_m = tl.full([BLOCK_M], 1, tl.int1) if EVEN_M else offs_m < M",
-            "m_lo = pid_m * BLOCK_M",
-            "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1",
-            "mask_dk = tl.full([BLOCK_DK], 1, tl.int1) if DK == BLOCK_DK else offs_dk < DK",
-            "mask_dv = tl.full([BLOCK_DV], 1, tl.int1) if DV == BLOCK_DV else offs_dv < DV",
-        ]
-        for p, members in enumerate(r.passes()):
-            out.lines.append(f"# pass {p}: reductions {members} over N")
-            self.write_pass(members)
+    def epilogue(self) -> None:
+        """Store the row statistics (for the backward), the output tile and the extra row outputs
+        from the final reduction values."""
+        r, out, nb = self.r, self.outer, len(self.r.batch)
         self.store_rowstats()
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
@@ -272,11 +270,45 @@ class KernelWriter:
                     if not (i.op == "const" and i.args[0] == 0)]
         out.lines.append(f"tl.store(out_ptr + {' + '.join(offs)}, {val}.to(out_ptr.dtype.element_ty), "
                          f"mask=mask_m[:, None] & mask_dv[None, :])")
-        body = "\n".join("    " + line for line in out.lines)
+        for k, row in enumerate(r.rows):
+            val = f"tl.broadcast_to({self.em.emit(row.expr, CTX_O, out)}, [BLOCK_M, 1])"
+            offs = [f"b{d} * row{k}_s{d}" for d in range(nb)] + [f"offs_m[:, None] * row{k}_s{nb}"]
+            out.lines.append(f"tl.store(row{k}_ptr + {' + '.join(offs)}, {val}.to(row{k}_ptr.dtype.element_ty), "
+                             f"mask=mask_m[:, None])")
+
+    def prologue(self) -> None:
+        """Program ids, batch indices, row offsets and bounds masks."""
+        nb, out = len(self.r.batch), self.outer
+        out.lines += ["pid_m = tl.program_id(0)", *batch_index(nb)]
+        out.lines += [
+            "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+            "offs_dk = tl.arange(0, BLOCK_DK)",
+            "offs_dv = tl.arange(0, BLOCK_DV)",
+            # bounds masks; constant true (and folded away) where the sizes fit the blocks
+            "mask_m = tl.full([BLOCK_M], 1, tl.int1) if EVEN_M else offs_m < M",
+            "m_lo = pid_m * BLOCK_M",
+            "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1",
+            "mask_dk = tl.full([BLOCK_DK], 1, tl.int1) if DK == BLOCK_DK else offs_dk < DK",
+            "mask_dv = tl.full([BLOCK_DV], 1, tl.int1) if DV == BLOCK_DV else offs_dv < DV",
+        ]
+
+    def passes(self) -> None:
+        for p, members in enumerate(self.r.passes()):
+            self.outer.lines.append(f"# pass {p}: reductions {members} over N")
+            self.write_pass(members)
+
+    def assemble(self) -> str:
+        """The ``@triton.jit`` function of the lines written so far."""
+        body = "\n".join("    " + line for line in self.outer.lines)
         sig = ",\n".join("    " + a for a in self.signature())
-        doc = "\n".join("    # " + line for line in r.describe(sizes=False).splitlines())
-        return (f"import triton\nimport triton.language as tl\n{HELPERS}\n\n@triton.jit\ndef {self.name}(\n{sig},\n):\n"
-                f"{doc}\n{body}\n")
+        doc = "\n".join("    # " + line for line in self.r.describe(sizes=False).splitlines())
+        return f"@triton.jit\ndef {self.name}(\n{sig},\n):\n{doc}\n{body}\n"
+
+    def write(self) -> str:
+        self.prologue()
+        self.passes()
+        self.epilogue()
+        return f"import triton\nimport triton.language as tl\n{HELPERS}\n\n{self.assemble()}"
 
 
 def batch_index(nb: int) -> list[str]:

@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import philox
 from .expr import Expr, walk
 from .region import Region
 
@@ -30,6 +31,7 @@ OPS: dict[str, Callable] = {
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "erf": torch.erf,
     "sin": torch.sin, "cos": torch.cos, "floor": torch.floor, "ceil": torch.ceil, "round": torch.round,
     "where": torch.where,
+    "rand": philox.rand,
 }
 
 
@@ -110,6 +112,10 @@ class Evaluator:
         return r
 
     def run(self) -> torch.Tensor:
+        return self.run_all()[0]
+
+    def run_all(self) -> list[torch.Tensor]:
+        """The output and the extra row outputs (each (*batch, M))."""
         for r in self.region.reductions:
             body = self.full(self.ctx_s(r.body), self.ctx_s)
             if r.kind == "max":
@@ -123,10 +129,11 @@ class Evaluator:
                 val = torch.maximum(val, extra) if r.kind == "max" else val + extra
             self.reds.append(val)
         out = self.full(self.ctx_o(self.region.out), self.ctx_o)
-        if self.region.out_index is None:
-            return out
-        idx = tuple(self.ctx_o(i).expand(self.ctx_o.shape) for i in self.region.out_index)
-        return out.new_zeros(self.region.out_shape).index_put(idx, out)
+        if self.region.out_index is not None:     # a permuted / reshaped store
+            idx = tuple(self.ctx_o(i).expand(self.ctx_o.shape) for i in self.region.out_index)
+            out = out.new_zeros(self.region.out_shape).index_put(idx, out)
+        rows = [self.full(self.ctx_o(x.expr), self.ctx_o)[..., 0] for x in self.region.rows]
+        return [out, *rows]
 
 
 def evaluate(region: Region, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -142,3 +149,8 @@ def evaluate_with_rowstats(region: Region, inputs: Sequence[torch.Tensor]) -> tu
     stats = [torch.where(torch.isneginf(x), 0.0, x) if r.kind == "max" else x
              for x, r in zip(ev.reds, region.reductions)]
     return out, torch.cat([x.float() for x in stats], -1)
+
+
+def evaluate_all(region: Region, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Like ``evaluate``, followed by the region's extra row outputs, each (*batch, M)."""
+    return Evaluator(region, inputs).run_all()

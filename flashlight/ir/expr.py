@@ -104,6 +104,7 @@ POINTWISE: dict[str, tuple[int, str | None]] = {
     # sum over the output's head dim dv of an output-tile value (a row value: dv is bound), for
     # norms in the epilogue (DiffAttn's per-head RMSNorm). Only in a region's ``out``.
     "sum_dv": (1, "f"),
+    "rand": (2, "f"),           # rand(seed, offset): uniform [0, 1) from Philox (Triton's tl.rand)
 }
 BINDS: dict[str, frozenset[str]] = {"sum_dv": frozenset({"dv"})}   # op -> index vars it sums out
 

@@ -14,6 +14,7 @@ A region computes, for every (b..., m)::
                 a max / sum may have a row ``extra``: one more element, max(r_j, extra_j) /
                 r_j + extra_j (an attention sink: a logit column appended after the N keys)
     out         out[b, m, dv] = out_expr(r..., loads)
+    rows        row_i[b, m] = row_expr_i(r..., loads)     (extra outputs: logsumexp, row max, ...)
 
 where every ``body_j`` may read the dots, loads, index vars and earlier reductions.
 """
@@ -60,6 +61,14 @@ class Reduction:
         return refs(self.body, "red") | (refs(self.extra, "red") if self.extra is not None else frozenset())
 
 
+@dataclass(frozen=True)
+class Row:
+    """An extra output over (b..., m) computed from the reductions, e.g. the logsumexp
+    ``red0 + log(red1)`` that a program returns next to the attention output."""
+    expr: Expr
+    dtype: torch.dtype
+
+
 @dataclass
 class Region:
     batch: tuple[int, ...]
@@ -74,6 +83,7 @@ class Region:
     out_dtype: torch.dtype
     source: str = ""                # the user's source line(s), for explain()
     features: set[str] = field(default_factory=set)
+    rows: list[Row] = field(default_factory=list)
     # The epilogue may end in permutes / reshapes of the (b..., m, dv) tile (Evoformer's output
     # transposed back to [B, S, R, H, C]): the output tensor's shape, and where tile element
     # (b..., m, dv) is stored in it. None: the tile's own layout.
@@ -122,6 +132,7 @@ class Region:
         if self.out_index is not None:
             shape = self.out_shape if sizes else f"rank {len(self.out_shape)}"
             lines.append(f"  store [{', '.join(fmt(i) for i in self.out_index)}] of {shape}")
+        lines += [f"  row{i} = {fmt(x.expr)} {x.dtype}" for i, x in enumerate(self.rows)]
         return "\n".join(lines)
 
 
@@ -177,4 +188,8 @@ def verify(region: Region) -> Region:
             raise VerifyError(f"store index of rank {len(region.out_index)} into {region.out_shape}")
         for d, i in enumerate(region.out_index):
             check(i, b | {"m", "dv"}, f"store index {d}", 0, False)
+    for i, x in enumerate(region.rows):
+        check(x.expr, b | {"m"}, f"row{i}", len(region.reductions), False)
+        if any(region.reductions[j].kind == "dot" for j in refs(x.expr, "red")):
+            raise VerifyError(f"row{i} reads a P @ V product, which is not a row value")
     return region

@@ -6,8 +6,11 @@ Three tables:
   is the reduction over the N keys combined with the body at the appended position, which
   becomes the reduction's row-level ``extra`` element: the key loop is unchanged and the sink
   only seeds the running state.
-* ``FACTOR``: a row-constant factor of a ``dot`` reduction's summand moves into the output,
-  so ``softmax(s) @ v`` needs no normalised P inside the loop.
+* ``PULL``: a row-constant factor of a sum's or a ``dot`` reduction's summand moves out of the
+  sum, so ``softmax(s) @ v`` needs no normalised P inside the loop, and post-softmax gates,
+  second masks and re-normalisations (``p * g / (p * g).sum(-1)``) stay one pass.
+* ``OFFSET``: ``sum(x * (y - c)) = sum(x * y) - c * sum(x)`` for a row constant c, so the
+  attention entropy ``-sum(p * log p)`` is a sum in the same pass as the softmax.
 * ``ONLINE``: when a summand depends on a running max ``m`` only through ``exp(x - m)`` it scales
   by ``exp(m_old - m_new)`` as ``m`` grows, so the reduction can run in the same pass as the max
   with a rescale (the flash-attention recurrence). Reductions that fit no rule run in a later
@@ -58,28 +61,101 @@ def row_constant(e: Expr, region: Region) -> bool:
     return "n" not in free_vars(e) and not refs(e, "dot")
 
 
-# dot_n(f(x, r) * v) = g(dot_n(x * v), r) for a row constant r.
-# Each row: op -> (which operand is x, how the accumulated value is combined with r).
-FACTOR: dict[str, tuple[int, Callable[[Expr, Expr], Expr]]] = {
-    "div_safe": (0, lambda acc, r: call("div_safe", acc, r)),  # sum(x/r * v) = sum(x*v) / r  (0 if r == 0)
-    "div": (0, lambda acc, r: call("div_safe", acc, r)),       # sum(x/r * v) = sum(x*v) / r; 0/0 -> 0 (empty row)
-    "mul": (0, lambda acc, r: call("mul", acc, r)),            # sum(x*r * v) = sum(x*v) * r
+# Row factors: sum_n(f(x, r) * v) = g(sum_n(x * v), r) for a row constant r (no n, no scores).
+# ``pull(e)`` splits a summand into x and the outer combinations g, innermost first; each row
+# of PULL returns None to decline. Applies to sums and P @ V products alike.
+Pulled = tuple[Expr, tuple[Callable[[Expr], Expr], ...]]
+
+
+def _div_by_row(e: Expr, region: Region) -> Pulled | None:
+    x, r = e.args
+    if not row_constant(r, region) or row_constant(x, region):
+        return None
+    inner, gs = pull(x, region)
+    return inner, gs + (lambda acc: call("div_safe", acc, r),)     # sum(x/r) = sum(x) / r; 0/0 -> 0
+
+
+def _mul(e: Expr, region: Region) -> Pulled | None:
+    a, b = e.args
+    if row_constant(a, region) != row_constant(b, region):
+        x, r = (b, a) if row_constant(a, region) else (a, b)
+        inner, gs = pull(x, region)
+        return inner, gs + (lambda acc: call("mul", acc, r),)      # sum(x*r) = sum(x) * r
+    (xa, ga), (xb, gb) = pull(a, region), pull(b, region)
+    return (call("mul", xa, xb), ga + gb) if ga or gb else None   # (x/r) * y = (x*y) / r
+
+
+def _where(e: Expr, region: Region) -> Pulled | None:
+    c, a, b = e.args
+    for live, other, put in ((a, b, lambda x: call("where", c, x, other)), (b, a, lambda x: call("where", c, other, x))):
+        if _is_zero(other):
+            inner, gs = pull(live, region)
+            return (put(inner), gs) if gs else None                # where(c, x/r, 0) = where(c, x, 0) / r
+    return None
+
+
+PULL: dict[str, Callable[[Expr, Region], Pulled | None]] = {
+    "div_safe": _div_by_row,
+    "div": _div_by_row,
+    "mul": _mul,
+    "where": _where,
+    "to_f": lambda e, region: (lambda p: (call("to_f", p[0]), p[1]) if p[1] else None)(pull(e.args[0], region)),
+    "neg": lambda e, region: (lambda p: (p[0], p[1] + (lambda acc: call("neg", acc),)) if p[1] else None)(
+        pull(e.args[0], region)),                                   # sum(-x) = -sum(x)
 }
+
+
+def pull(e: Expr, region: Region) -> Pulled:
+    rule = PULL.get(e.op)
+    return (rule(e, region) if rule else None) or (e, ())
+
+
+def _replace_red(region: Region, j: int, new: Expr, reds: list) -> Region:
+    """``region`` with reductions ``reds`` and every later read of red(j) replaced by ``new``."""
+    swap = lambda e: substitute(e, lambda x: new if x == red(j) else None)   # noqa: E731
+    reds = [replace(r, body=swap(r.body)) if i > j else r for i, r in enumerate(reds)]
+    rows = [replace(x, expr=swap(x.expr)) for x in region.rows]
+    return replace(region, reductions=reds, out=swap(region.out), rows=rows)
 
 
 def factor_rows(region: Region) -> Region | None:
     for j, r in enumerate(region.reductions):
-        if r.kind != "dot" or r.body.op not in FACTOR:
+        if r.kind == "max" or r.extra is not None:
+            continue     # (a sink element is not scaled by the factor: it would need dividing)
+        x, gs = pull(r.body, region)
+        if not gs:
             continue
-        pos, combine = FACTOR[r.body.op]
-        for xi in (pos, 1 - pos) if r.body.op == "mul" else (pos,):
-            x, fac = r.body.args[xi], r.body.args[1 - xi]
-            if row_constant(fac, region) and not row_constant(x, region):
-                reds = list(region.reductions)
-                reds[j] = replace(r, body=x)
-                new_red = combine(red(j), fac)
-                out = substitute(region.out, lambda e: new_red if e == red(j) else None)
-                return replace(region, reductions=reds, out=out)
+        acc = red(j)
+        for g in gs:
+            acc = g(acc)
+        reds = list(region.reductions)
+        reds[j] = replace(r, body=x, online=None)     # online-ness is re-derived for the new body
+        return _replace_red(region, j, acc, reds)
+    return None
+
+
+# Row offsets: sum_n(x * (y - c)) = sum_n(x * y) - c * sum_n(x) for a row constant c, when
+# sum_n(x) is already a reduction of the region (softmax's normaliser, for the entropy).
+OFFSET: dict[str, Callable[[Expr, Expr, Expr], Expr]] = {
+    "sub": lambda xy, c, sx: call("sub", xy, call("mul", c, sx)),
+    "add": lambda xy, c, sx: call("add", xy, call("mul", c, sx)),
+}
+
+
+def split_offsets(region: Region) -> Region | None:
+    for j, r in enumerate(region.reductions):
+        if r.kind == "max" or r.body.op != "mul" or r.extra is not None:
+            continue
+        for x, yc in (r.body.args, r.body.args[::-1]):
+            if yc.op not in OFFSET or row_constant(x, region) or not row_constant(yc.args[1], region):
+                continue
+            y, c = yc.args
+            same = [i for i, o in enumerate(region.reductions[:j]) if (o.kind, o.body, o.v, o.extra) == (r.kind, x, r.v, None)]
+            if not same:
+                continue
+            reds = list(region.reductions)
+            reds[j] = replace(r, body=call("mul", x, y), online=None)
+            return _replace_red(region, j, OFFSET[yc.op](red(j), c, red(same[0])), reds)
     return None
 
 
@@ -92,6 +168,8 @@ ONLINE: dict[str, Callable[[Expr, int], bool]] = {
     "exp": lambda e, j: e.args[0].op == "sub" and e.args[0].args[1] == red(j) and _free(e.args[0].args[0], j),
     "mul": lambda e, j: (scales(e.args[0], j) and _free(e.args[1], j)) or (_free(e.args[0], j) and scales(e.args[1], j)),
     "div": lambda e, j: scales(e.args[0], j) and _free(e.args[1], j),
+    "div_safe": lambda e, j: scales(e.args[0], j) and _free(e.args[1], j),
+    "neg": lambda e, j: scales(e.args[0], j),
     "where": lambda e, j: _free(e.args[0], j) and all(scales(a, j) or _is_zero(a) for a in e.args[1:]),
     "to_f": lambda e, j: scales(e.args[0], j),
 }
@@ -126,6 +204,7 @@ def make_online(region: Region) -> Region | None:
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("split-concat", split_concat),
     ("factor-rows", factor_rows),
+    ("split-offsets", split_offsets),
     ("online", make_online),
 ]
 

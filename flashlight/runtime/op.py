@@ -24,11 +24,12 @@ from triton.runtime.errors import OutOfResources
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.backward import epilogue_grad_inputs, grad_inputs
 from ..ir import Region
-from ..ir.evaluate import compute_dtype, evaluate, evaluate_with_rowstats
+from ..ir.evaluate import compute_dtype, evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     head_block, heuristic, smaller)
+from . import decode
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -60,6 +61,7 @@ class CompiledRegion:
     bwd_stats: list = field(default_factory=list)
     bwd_reason: str = ""
     bwd_launches: int = 0
+    split: object = None             # decode.SplitKernels once compiled (False: not splittable)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -91,11 +93,25 @@ class CompiledRegion:
         return self.run(inputs)[0]
 
     def run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output and the row statistics the backward reads."""
+        """The output and the row statistics the backward reads (``flashlight::region``)."""
+        outs, rowstats = self.run_all(inputs)
+        return outs[0], rowstats
+
+    def forward_all(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The output and the region's extra row outputs (each (*batch, M)): ``flashlight::region_rows``,
+        whose backward is the reference VJP (no row statistics needed)."""
+        return self.run_all(inputs)[0]
+
+    def run_all(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """[output, *row outputs] and the row statistics (None from the reference evaluator of a
+        region with row outputs, which only ``forward_all`` runs)."""
         self.check(inputs)
         if not self.uses_kernel(inputs):
+            if self.region.rows:
+                outs = evaluate_all(self.region, inputs)
+                return [x.to(dt) for x, dt in zip(outs, self.out_dtypes)], None
             out, rowstats = evaluate_with_rowstats(self.region, inputs)
-            return out.to(self.region.out_dtype), rowstats
+            return [out.to(self.region.out_dtype)], rowstats
         if MEASURE_SPARSITY:
             cfg = self.config(inputs)
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
@@ -116,22 +132,34 @@ class CompiledRegion:
                 shape_bucket = bucket(r.M, r.N, math.prod(r.batch))
                 self.tuned[("bwd", *shape_bucket) if backward else shape_bucket] = cfg
 
-    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def out_dtypes(self) -> list[torch.dtype]:
+        return [self.region.out_dtype] + [x.dtype for x in self.region.rows]
+
+    def new_outputs(self, like: torch.Tensor) -> list[torch.Tensor]:
         r = self.region
-        out = torch.empty(self.out_shape, dtype=r.out_dtype, device=inputs[0].device)
-        rowstats = torch.empty(self.rowstats_shape, dtype=torch.float32, device=inputs[0].device)
-        args: list = []
-        for x in inputs:
-            args += [x, *x.stride()]
-        args += [out, *out.stride(), rowstats, r.M * rowstats.shape[-1], rowstats.shape[-1]]
-        args += block_stat_args(self.stats, inputs, cfg)
-        args += [*r.batch, r.M, r.N]
-        grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
-        self.kernel[grid](*args, DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
-                          SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
-                          BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        rows = [like.new_empty((*r.batch, r.M), dtype=x.dtype) for x in r.rows]
+        return [like.new_empty(self.out_shape, dtype=r.out_dtype), *rows]
+
+    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One forward: [output, *row outputs] and the fp32 row statistics (the split-KV combine
+        kernel stores them too, so the generated backward serves both paths)."""
+        r = self.region
+        outs = self.new_outputs(inputs[0])
+        rowstats = inputs[0].new_empty(self.rowstats_shape, dtype=torch.float32)
+        split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
+        if not (split and split.launch(inputs, outs, rowstats, cfg)):
+            grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
+            self.kernel[grid](*kernel_args(r, self.stats, inputs, outs, rowstats, cfg), **launch_meta(r, cfg))
         self.launches += 1
-        return out, rowstats
+        return outs, rowstats
+
+    def split_kernels(self):
+        """The split-KV kernels (compiled at first use; None when the region needs several passes)."""
+        if self.split is None:
+            self.split = decode.compile_split(self.region, torch.backends.cuda.matmul.allow_tf32,
+                                              interpreting()) or False
+        return self.split or None
 
     def config(self, inputs: list[torch.Tensor], backward=None) -> Config:
         """Launch config for these sizes: memory, then disk (an earlier tuning), then autotuning
@@ -150,11 +178,11 @@ class CompiledRegion:
             disk = TuningCache(self.path.parent, self.bwd_name if backward else self.name)
             cfg = disk.load().get(key)
             if cfg is None and self.max_autotune:
-                space = backward_candidates(block_d) if backward else candidates(block_d, len(r.dots))
+                space = backward_candidates(block_d) if backward else candidates(block_d, len(r.dots), r.M)
                 cfg = self.autotune(backward or (lambda c: self.launch(inputs, c)), space)
                 disk.store(key, cfg)
             elif cfg is None:
-                cfg = backward_heuristic(block_d) if backward else heuristic(block_d, len(r.dots), self.sparse)
+                cfg = backward_heuristic(block_d) if backward else heuristic(block_d, len(r.dots), self.sparse, r.M)
         self.tuned[mem_key] = cfg
         return cfg
 
@@ -206,21 +234,44 @@ class CompiledRegion:
         self.bwd_launches += 1
         return bufs
 
-    def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
-        ``torch.autograd.grad``: a custom op's implementation runs below the autograd key."""
+        ``torch.autograd.grad``: a custom op's implementation runs below the autograd key.
+        ``grad`` is a list (output, then rows) for a region with extra row outputs."""
         pos = [i for i, x in enumerate(inputs) if x.is_floating_point()]
+        run = evaluate_all if isinstance(grad, list) else evaluate
 
         def fn(*floats):
             xs = list(inputs)
             for i, f in zip(pos, floats):
                 xs[i] = f
-            return evaluate(self.region, xs)
+            return run(self.region, xs)
         out, vjp = torch.func.vjp(fn, *(inputs[i] for i in pos))
-        grads = dict(zip(pos, vjp(grad.to(out.dtype))))
+        grads = dict(zip(pos, vjp([g.to(o.dtype) for g, o in zip(grad, out)] if isinstance(grad, list)
+                                  else grad.to(out.dtype))))
         # each gradient takes its input's layout, as the fake implementation promises
         return [torch.empty_like(x).copy_(grads[i]) if i in grads else torch.zeros_like(x)
                 for i, x in enumerate(inputs)]
+
+
+def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: list[torch.Tensor],
+                rowstats: torch.Tensor, cfg: Config) -> list:
+    """Positional arguments of a generated kernel: inputs, outputs (with strides), the row
+    statistics for the backward (*batch, M, W), the block statistics its sparsity scan reads,
+    and the sizes."""
+    args: list = []
+    for x in [*inputs, *outs]:
+        args += [x, *x.stride()]
+    args += [rowstats, r.M * rowstats.shape[-1], rowstats.shape[-1]]
+    args += block_stat_args(block_stats, inputs, cfg)
+    return args + [*r.batch, r.M, r.N]
+
+
+def launch_meta(r: Region, cfg: Config) -> dict:
+    """Constexpr and launch keyword arguments of a generated kernel."""
+    return dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
+                SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
+                BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
 
 
 def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> float | None:
@@ -348,3 +399,44 @@ def _backward(ctx, grad, _grad_rowstats):
 
 
 region_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- regions with extra row outputs (logsumexp, row max, ...): one op returning all of them ------
+# Its backward is always the reference VJP (codegen.backward.backward_support declines row
+# outputs), so it returns no row statistics.
+@torch.library.custom_op("flashlight::region_rows", mutates_args=())
+def region_rows_op(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return REGISTRY[key].forward_all(list(inputs))
+
+
+@region_rows_op.register_fake
+def _region_rows_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return REGISTRY[key].new_outputs(inputs[0])
+
+
+@torch.library.custom_op("flashlight::region_rows_backward", mutates_args=())
+def region_rows_backward(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return REGISTRY[key].reference_backward(list(inputs), list(grads))
+
+
+@region_rows_backward.register_fake
+def _region_rows_backward_fake(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(x) for x in inputs]
+
+
+def _setup_rows_context(ctx, inputs, output):
+    key, tensors = inputs
+    ctx.key = key
+    ctx.save_for_backward(*tensors)     # every output is differentiable; no row statistics
+    ctx.out_like = [(o.shape, o.dtype) for o in output]
+
+
+def _backward_rows(ctx, grads):
+    tensors = list(ctx.saved_tensors)
+    like = tensors[0]
+    grads = [g if g is not None else like.new_zeros(shape, dtype=dt) for g, (shape, dt) in zip(grads, ctx.out_like)]
+    grads = region_rows_backward(ctx.key, tensors, grads)
+    return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
+
+
+region_rows_op.register_autograd(_backward_rows, setup_context=_setup_rows_context)

@@ -38,14 +38,19 @@ def head_block(d: int) -> int:
 
 
 INTERPRETER = Config(16, 16, 1, 1)      # Triton's CPU interpreter is slow per element: small tiles
+# decoding (M <= 16): one block of 16 rows (tl.dot's minimum) holds every query
+DECODE = [(64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 2)]
 
 
-def heuristic(block_d: int, n_dots: int, sparse: bool) -> Config:
+def heuristic(block_d: int, n_dots: int, sparse: bool, M: int | None = None) -> Config:
     """The launch config used without autotuning (the default, as FlexAttention does), from the
     H200 sweeps in docs/notes.md (session 2): at D<=64, 64x64 w4 s3 is within 1.1% of the best of
     the space on average over 7 variants (worst 4.6%). At D=128, 128x128 w8 s3 is best for dense
     attention, but masks that skip blocks (short live ranges: document, sliding window) lose up to
-    2.4x with it, and 64x64 w4 s3 is within 3% of the best for every masked variant measured."""
+    2.4x with it, and 64x64 w4 s3 is within 3% of the best for every masked variant measured.
+    Decoding (``M`` <= 16) takes the first decode config: 16 query rows, 64 keys per block."""
+    if M is not None and M <= 16:
+        return candidates(block_d, n_dots, M)[0]
     if block_d >= 256:
         return Config(64, 64, 4, 2)       # shared memory: K and V tiles of a 256-wide head
     if block_d >= 128 and not sparse:
@@ -64,8 +69,11 @@ def smaller(cfg: Config) -> Config | None:
     return next((c for c in LADDER if c.BLOCK_M * c.BLOCK_N * c.num_stages < size), None)
 
 
-def candidates(block_d: int, n_dots: int = 1) -> list[Config]:
-    """The autotuning space (``mode="max-autotune"``), pruned by head dim and score tile count."""
+def candidates(block_d: int, n_dots: int = 1, M: int | None = None) -> list[Config]:
+    """The autotuning space (``mode="max-autotune"``), pruned by head dim and score tile count;
+    decode configs (BLOCK_M = 16) when ``M`` <= 16."""
+    if M is not None and M <= 16:
+        return [Config(16, bn, w, s) for bn, w, s in DECODE if not (block_d >= 256 and bn > 64)]
     configs = []
     for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
                          (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4), (64, 32, 4, 3)]:

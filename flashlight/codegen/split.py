@@ -1,0 +1,177 @@
+"""Split-KV forward for decoding (few queries, many keys): two generated kernels.
+
+``split``: one program per (M block, batch index, split). Each split runs the forward kernel's
+loop over its own range of key blocks and stores the *raw* reduction states — running maxima,
+sums and P @ V accumulators, the sums taken under the split's own max — to an fp32 scratch
+``ws[split, batch, m, column]``. ``combine``: one program per (M block, batch index) merges the
+splits and runs the epilogue (row statistics for the backward, output and row outputs) exactly
+as the one-kernel forward does::
+
+    m   = max_s m_s                                    (every max reduction)
+    r   = sum_s r_s * exp(m_s - m)                     (sums and P @ V rescaled by their max)
+    r   = sum_s r_s                                    (sums without a max)
+
+which is the flash-attention recurrence applied once more, across splits instead of key blocks.
+Only regions whose reductions all run in one pass can be split (``splittable``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir import Region, Row, const, free_vars, substitute, var, verify, walk
+from .emit import HELPERS
+from .kernel import NEG_INF, KernelWriter
+
+SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
+
+
+def splittable(region: Region) -> bool:
+    """One pass over N, and the output in the tile's own layout (a permuted store's index is not
+    rewritten by ``pack_heads`` and the runtime views the output as (*batch, M, DV))."""
+    return len(region.passes()) == 1 and region.out_index is None
+
+
+def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
+    """Grouped-query decoding: the G query heads sharing a K/V head become G * M rows of one
+    program, so K/V tiles are loaded once per group instead of once per query head.
+
+    The last batch var h must reach K and V only as ``h // G`` (or not at all: G = H); then with h' the K/V head and
+    m' the packed row, h = h' * G + m' // M and m = m' % M everywhere else (the output
+    (.., H, M, DV) viewed as (.., H / G, G * M, DV) is the packed output). Returns the packed
+    region and G, or None."""
+    if not region.batch:
+        return None
+    hv = var(region.batch_vars[-1])
+    kv = [d.k for d in region.dots] + [r.v for r in region.reductions if r.v is not None]
+    groups = {x.args[1].args[0] for e in kv for x in walk(e)
+              if x.op == "idiv" and x.args[0] == hv and x.args[1].op == "const"}
+    if not groups and not any(hv.args[0] in free_vars(e) for e in kv):
+        groups = {region.batch[-1]}        # one K/V head for all query heads (MQA)
+    if len(groups) != 1:
+        return None
+    G = groups.pop()
+    if G < 2 or region.batch[-1] % G or G * region.M > max_m:
+        return None
+    marker = var("kv_head")
+    to_kv = lambda e: substitute(e, lambda x: marker if x.op == "idiv" and x.args == (hv, const(G)) else None)  # noqa: E731
+    if any(hv.args[0] in free_vars(to_kv(e)) for e in kv):
+        return None                      # K or V also read at the query head itself
+    kv_of = lambda e: substitute(to_kv(e), lambda x: hv if x == marker else None)  # noqa: E731
+    M = region.M
+    new_h, new_m = hv * G + var("m") // M, var("m") % M
+    rows = lambda e: substitute(e, lambda x: new_h if x == hv else new_m if x == var("m") else None)  # noqa: E731
+    packed = replace(
+        region, batch=region.batch[:-1] + (region.batch[-1] // G,), M=G * M,
+        dots=[replace(d, q=rows(d.q), k=kv_of(d.k)) for d in region.dots],
+        reductions=[replace(r, body=rows(r.body), v=kv_of(r.v) if r.v is not None else None,
+                            extra=rows(r.extra) if r.extra is not None else None)     # a sink, per query head
+                    for r in region.reductions],
+        out=rows(region.out), rows=[Row(rows(x.expr), x.dtype) for x in region.rows])
+    return verify(packed), G
+
+
+def columns(region: Region) -> tuple[list[str], str]:
+    """Scratch column of each reduction's state (1 for a max or sum, DV for P @ V) and the
+    row width, as Triton expressions over the DV constexpr."""
+    cols, scalars, dots = [], 0, 0
+    for red in region.reductions:
+        cols.append(f"{scalars} + {dots} * DV")
+        scalars, dots = scalars + (red.kind != "dot"), dots + (red.kind == "dot")
+    return cols, f"{scalars} + {dots} * DV"
+
+
+def _ws_row(split: str) -> str:
+    """Offset of row (split, batch, offs_m) in the scratch; NUM_B = number of batch programs."""
+    return f"(({split} * NUM_B + pid_b) * M + offs_m[:, None]) * WS_C"
+
+
+class SplitWriter(KernelWriter):
+    """The forward kernel restricted to one split of the key blocks, storing raw states."""
+
+    def signature(self) -> list[str]:
+        args = super().signature()
+        at = args.index("DK: tl.constexpr")
+        return args[:at] + SPLIT_ARGS + args[at:]
+
+    def bounds(self, blk: str) -> str:
+        return f"tl.minimum(tl.maximum({blk}, split_lo), split_hi)"
+
+    def once(self, val: str) -> str:
+        """A sink element joins a sum in split 0 only (every split's max includes it: max is
+        idempotent, and the combine rescales split 0's sum like any other)."""
+        return f"tl.where(pid_s == 0, {val}, 0.0)"
+
+    def prologue(self) -> None:
+        KernelWriter.prologue(self)
+        self.outer.lines += ["NUM_B = tl.num_programs(1)", f"WS_C = {columns(self.r)[1]}"]
+
+    def split_range(self) -> None:
+        self.outer.lines += [
+            "pid_s = tl.program_id(2)",
+            "split_lo = pid_s * BLOCKS_PER_SPLIT",
+            "split_hi = tl.minimum(split_lo + BLOCKS_PER_SPLIT, tl.cdiv(N, BLOCK_N))",
+        ]
+
+    def epilogue(self) -> None:
+        cols, _ = columns(self.r)
+        row = _ws_row("pid_s")
+        self.outer.lines.append("# raw states of this split; the combine kernel merges them")
+        for j, red in enumerate(self.r.reductions):
+            if red.kind == "dot":
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]} + offs_dv[None, :], r{j}, "
+                                        f"mask=mask_m[:, None] & mask_dv[None, :])")
+            else:
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]}, r{j}, mask=mask_m[:, None])")
+
+
+class CombineWriter(SplitWriter):
+    """Merges the splits' states and runs the region's epilogue."""
+
+    def passes(self) -> None:
+        r, lines = self.r, self.outer.lines
+        cols, _ = columns(r)
+        row = _ws_row("s")
+        maxes = [j for j, red in enumerate(r.reductions) if red.kind == "max"]
+        others = [j for j, red in enumerate(r.reductions) if red.kind != "max"]
+        lines += [f"r{j} = tl.full([BLOCK_M, 1], {NEG_INF}, tl.float32)" for j in maxes]
+        lines += ["for s in range(0, SPLITS):"] if maxes else []
+        lines += [f"    r{j} = tl.maximum(r{j}, tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
+                  f"other={NEG_INF}))" for j in maxes]
+        lines += [f"r{j}_safe = tl.where(r{j} == {NEG_INF}, 0.0, r{j})" for j in maxes]
+        for j, red in enumerate(r.reductions):     # what store_rowstats reads (as after a pass)
+            self.em.red_names[j] = f"r{j}_safe" if red.kind == "max" else f"r{j}"
+        for j in others:
+            width = "BLOCK_DV" if r.reductions[j].kind == "dot" else "1"
+            lines.append(f"r{j} = tl.zeros([BLOCK_M, {width}], tl.float32)")
+        lines.append("for s in range(0, SPLITS):")
+        online = sorted({r.reductions[j].online for j in others} - {None})
+        lines += [f"    alpha{j} = tl.exp(tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
+                  f"other={NEG_INF}) - r{j}_safe)  # split max -> final max" for j in online]
+        for j in others:
+            red = r.reductions[j]
+            ptr, mask = f"ws_ptr + {row} + {cols[j]}", "mask_m[:, None]"
+            if red.kind == "dot":
+                ptr, mask = ptr + " + offs_dv[None, :]", mask + " & mask_dv[None, :]"
+            scale = f" * alpha{red.online}" if red.online is not None else ""
+            lines.append(f"    r{j} += tl.load({ptr}, mask={mask}, other=0.0){scale}")
+
+    def epilogue(self) -> None:
+        KernelWriter.epilogue(self)
+
+
+def generate_split(region: Region, name: str, allow_tf32: bool = False,
+                   interpret: bool = False) -> tuple[str, list]:
+    """Source of ``{name}_split`` and ``{name}_combine`` (same arguments) and the split kernel's
+    block statistics."""
+    split = SplitWriter(region, f"{name}_split", allow_tf32, interpret)
+    split.prologue()
+    split.split_range()
+    split.passes()
+    split.epilogue()
+    combine = CombineWriter(region, f"{name}_combine", allow_tf32, interpret)
+    combine.stats = split.stats          # same signature: the runtime passes one argument list
+    combine.prologue()
+    combine.passes()
+    combine.epilogue()
+    return (f"import triton\nimport triton.language as tl\n{HELPERS}\n\n{split.assemble()}\n\n"
+            f"{combine.assemble()}", split.stats)

@@ -1,0 +1,110 @@
+"""Split-KV decoding at run time: when to split the keys, and the two launches.
+
+With few queries (M ≤ 16) the forward grid is tiny (one M block per batch index), so a long key
+loop runs on a handful of SMs. Splitting the keys gives ``splits`` programs per (M block, batch
+index) and a small combine kernel (``codegen/split.py``). Query heads that share a K/V head
+(GQA) are packed into the rows of one program first, so each K/V tile is loaded once per group.
+
+Heuristic (per call, from sizes only): aim for ``PROGRAMS_PER_SM`` programs per SM, without
+giving a split fewer than ``MIN_BLOCKS`` key blocks (below that the scratch round trip and the
+combine cost more than the parallelism gains)::
+
+    splits = min(ceil(PROGRAMS_PER_SM * SMs / programs), n_blocks // MIN_BLOCKS)   # 1 = no split
+
+``FORCE_SPLITS`` overrides it (tests under the interpreter, which has no SMs, and experiments).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..codegen.split import generate_split, pack_heads, splittable
+from .cache import load_module, source_hash
+
+MAX_M = 16
+PROGRAMS_PER_SM = 4
+MIN_BLOCKS = 4
+FORCE_SPLITS: int | None = None
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (0 elsewhere: the interpreter splits only when forced)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def may_split(region, device: torch.device) -> bool:
+    """Cheap test before the split kernels are compiled: few queries on a GPU, or forced."""
+    return FORCE_SPLITS is not None or (region.M <= MAX_M and sm_count(device) > 0)
+
+
+def plan(M: int, N: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
+    """(splits, key blocks per split) for a forward of ``programs`` (M block, batch) programs."""
+    n_blocks = triton.cdiv(N, block_n)
+    if FORCE_SPLITS is not None:
+        splits = FORCE_SPLITS
+    elif M > MAX_M or sms == 0:
+        splits = 1
+    else:
+        splits = min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), n_blocks // MIN_BLOCKS)
+    splits = max(1, min(splits, n_blocks))
+    per = triton.cdiv(n_blocks, splits)
+    return triton.cdiv(n_blocks, per), per
+
+
+@dataclass
+class SplitKernels:
+    """The split and combine kernels of a region, generated for ``region``: the original one, or
+    with grouped query heads packed into rows (``group`` > 1, see ``codegen.split.pack_heads``)."""
+    region: object
+    group: int
+    split: object
+    combine: object
+    stats: list
+    source: str
+    launches: int = 0
+
+    def launch(self, inputs: list[torch.Tensor], outs: list[torch.Tensor], rowstats: torch.Tensor, cfg) -> bool:
+        """Run split + combine into ``outs`` and ``rowstats`` (*batch, M, W) if the plan splits the
+        keys; False otherwise."""
+        from .op import kernel_args, launch_meta
+        r = self.region
+        programs_b = math.prod(r.batch)
+        grid_m = triton.cdiv(r.M, cfg.BLOCK_M)
+        splits, per = plan(r.M, r.N, grid_m * programs_b, cfg.BLOCK_N, sm_count(inputs[0].device))
+        if splits == 1:
+            return False
+        views = [outs[0].view(*r.batch, r.M, r.DV)] + [o.view(*r.batch, r.M) for o in outs[1:]]
+        width = sum(1 if red.kind != "dot" else r.DV for red in r.reductions)
+        ws = torch.empty((splits, programs_b, r.M, width), dtype=torch.float32, device=inputs[0].device)
+        stats = rowstats.view(*r.batch, r.M, rowstats.shape[-1])     # packed rows: same memory order
+        args = [*kernel_args(r, self.stats, inputs, views, stats, cfg), ws, splits, per]
+        meta = launch_meta(r, cfg)
+        self.split[(grid_m, programs_b, splits)](*args, **meta)
+        self.combine[(grid_m, programs_b)](*args, **meta)
+        self.launches += 1
+        return True
+
+
+def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | None:
+    """The split-KV kernels of a region, its query heads packed when they share K/V heads (None
+    when its reductions need several passes)."""
+    if not splittable(region):
+        return None
+    region, group = pack_heads(region, MAX_M) or (region, 1)
+    placeholder = "fl_dec"
+    source, stats = generate_split(region, placeholder, allow_tf32, interpret)
+    mod_name = f"fl_dec_{source_hash(source)}"
+    source = source.replace(f"def {placeholder}_", f"def {mod_name}_")
+    module, _ = load_module(mod_name, source)
+    return SplitKernels(region, group, getattr(module, f"{mod_name}_split"), getattr(module, f"{mod_name}_combine"),
+                        stats, source)
