@@ -57,6 +57,19 @@ def test_fully_masked_rows_get_zero_gradients():
     check_grads(attn, (q, k, v), ref_fn=oracle)
 
 
+def test_rows_masked_by_a_finite_fill_past_the_last_key():
+    """A window mask filled with -1e9 leaves rows past N + window with every key at -1e9 (eager
+    averages them). Out-of-range keys of the last block pass the window test, score 0 and
+    exp(0 - (-1e9)) = inf there: the tile's dS must drop them (found by fuzz seed 21, #195)."""
+    q, k, v = (torch.randn(1, 2, L, 16) for L in (31, 17, 17))
+
+    def attn(q, k, v):
+        qi, ki = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        s = torch.where((ki <= qi) & (qi - ki < 6), q @ k.mT, -1e9)
+        return torch.softmax(s, -1) @ v
+    check_grads(attn, (q, k, v))
+
+
 def test_half_precision_gradients():
     mod = VARIANTS["causal"]
     check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16, dtype=torch.float16), tol=2e-2)

@@ -252,7 +252,9 @@ class BackwardWriter(KernelWriter):
             q, qdt, k, kdt = operands[i]
             ds = em.emit(adjoints[dot(i)], CTX_S, loop)
             loop.lines += [
-                f"ds{i} = tl.broadcast_to({ds}, [BLOCK_M, BLOCK_N])",
+                # out-of-range keys can score exp(+large) when the shift is a finite fill (-1e9):
+                # 0 * inf there would reach dQ through K's zero padding
+                f"ds{i} = tl.where(mask_mn, tl.broadcast_to({ds}, [BLOCK_M, BLOCK_N]), 0.0)",
                 f"{self.acc('dk', r.dots[i].k)} += {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt)}",
                 f"dq{i} = {self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt)}",
             ]
