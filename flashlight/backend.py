@@ -56,12 +56,17 @@ def lower(region: Region, max_autotune: bool = False):
     return compiled
 
 
-def replace(graph: fx.Graph, match: Match, key: str) -> None:
+def replace(graph: fx.Graph, match: Match, key: str, autograd: bool = True) -> None:
+    """``flashlight::region`` (output and row statistics, differentiable) where the graph may be
+    differentiated; ``flashlight::region_infer`` (the output alone) where it cannot be."""
     if match.rows:
         return replace_with_rows(graph, match, key)
     with graph.inserting_before(match.root):
-        call = graph.call_function(torch.ops.flashlight.region.default, (key, list(match.leaves)))
-        out = graph.call_function(operator.getitem, (call, 0))      # [1]: row statistics for autograd
+        if autograd:
+            call = graph.call_function(torch.ops.flashlight.region.default, (key, list(match.leaves)))
+            out = graph.call_function(operator.getitem, (call, 0))      # [1]: row statistics for autograd
+        else:
+            out = graph.call_function(torch.ops.flashlight.region_infer.default, (key, list(match.leaves)))
     out.meta.update(match.root.meta)
     match.root.replace_all_uses_with(out)
 
@@ -99,9 +104,19 @@ def _toposort(graph: fx.Graph) -> None:
         prev.append(n)
 
 
+def needs_autograd(gm: fx.GraphModule, example_inputs) -> bool:
+    """Whether the graph may be differentiated. Dynamo guards on grad mode and on each input's
+    requires_grad, so a graph compiled without either is never run with them."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs) or \
+        any(p.requires_grad for p in gm.parameters())
+
+
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:
     """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op."""
     report = GraphReport()
+    autograd = needs_autograd(gm, example_inputs)
     aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
     report.fallbacks += fallbacks
@@ -112,7 +127,7 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
         except (Unsupported, CodegenError, VerifyError) as e:
             report.fallbacks.append(Fallback(m.root.name, str(m.root.target), str(e), source_line(m.root)))
             continue
-        replace(aten_gm.graph, m, compiled.key)
+        replace(aten_gm.graph, m, compiled.key, autograd)
         report.regions.append(compiled)
         fused |= m.inner
     if not report.regions:
@@ -145,6 +160,19 @@ def runs_as_is(gm: fx.GraphModule) -> bool:
                for n in gm.graph.nodes)
 
 
+def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
+    """An FX graph that runs as is calls the inference op's Python implementation itself: the
+    dispatcher has nothing to add there (no autograd, no tracing), and each call saves its cost."""
+    from .runtime.op import region_direct
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.flashlight.region_infer.default:
+            n.target, changed = region_direct, True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
     try:
         fused, report = fuse(gm, example_inputs, max_autotune)
@@ -156,7 +184,7 @@ def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
     for sink in _LISTENERS:
         sink.append(report)
     if report.regions and runs_as_is(fused):
-        return fused
+        return direct_calls(fused)
     return _compat.compile_fx(fused, list(example_inputs))
 
 

@@ -237,3 +237,32 @@ def test_a_config_that_does_not_fit_falls_back_to_a_smaller_one_for_good():
         assert c.tuned[key] == Config(64, 64, 4, 2) == tried[-1] and len(tried) == 5
     finally:
         del c.tuned[key]
+
+
+def test_graphs_without_gradients_store_no_row_statistics(monkeypatch):
+    """A graph compiled without grad (no input requires it, or under no_grad) calls the inference
+    op, whose kernel skips the row-statistics stores; a training graph keeps them."""
+    from flashlight.runtime import op as rt
+    seen = []
+    launch = rt.CompiledRegion.launch
+
+    def spy(self, inputs, cfg, stats=True):
+        seen.append(stats)
+        return launch(self, inputs, cfg, stats)
+    monkeypatch.setattr(rt.CompiledRegion, "launch", spy)
+    q, k, v = (torch.randn(1, 2, 37, 16) for _ in range(3))
+    ref = causal.attention(*(x.double() for x in (q, k, v)))
+    torch._dynamo.reset()
+    out = torch.compile(causal.attention, backend="flashlight")(q, k, v)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out_ng = torch.compile(causal.attention, backend="flashlight")(*leaves)
+    torch._dynamo.reset()
+    out_tr = torch.compile(causal.attention, backend="flashlight")(*leaves)
+    out_tr.sum().backward()
+    assert seen == [False, False, True]
+    assert max(rel_error(o, ref) for o in (out, out_ng, out_tr)) < 1e-3
+    assert leaves[0].grad is not None and leaves[0].grad.abs().sum() > 0
+    report = flashlight.explain(causal.attention, q, k, v)
+    assert "if STATS:" in report.regions[0].kernel_source

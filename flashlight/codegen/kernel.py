@@ -223,14 +223,15 @@ class KernelWriter:
 
     def store_rowstats(self) -> None:
         """Every reduction's final value, for the generated backward (O(M) per row: no scores)."""
-        self.outer.lines.append("# statistics for the backward (see rowstat_columns)")
+        self.outer.lines += ["# statistics for the backward (see rowstat_columns); STATS is off when no",
+                             "# gradient is needed (flashlight::region_infer)", "if STATS:"]
         row = "rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
         for j, (red, c) in enumerate(zip(self.r.reductions, rowstat_columns(self.r)[0])):
             if red.kind == "dot":
-                self.outer.lines.append(f"tl.store({row} + {c} + offs_dv[None, :], r{j}, "
+                self.outer.lines.append(f"    tl.store({row} + {c} + offs_dv[None, :], r{j}, "
                                         "mask=mask_m[:, None] & mask_dv[None, :])")
             else:
-                self.outer.lines.append(f"tl.store({row} + {c}, {self.em.red_names[j]}, mask=mask_m[:, None])")
+                self.outer.lines.append(f"    tl.store({row} + {c}, {self.em.red_names[j]}, mask=mask_m[:, None])")
 
     # -- whole kernel -------------------------------------------------------------------------
     def signature(self) -> list[str]:
@@ -250,7 +251,7 @@ class KernelWriter:
             args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
         args += [f"B{d}" for d in range(nb)] + ["M", "N"]
         return args + ["DK: tl.constexpr", "DV: tl.constexpr", "EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr",
-                       "SCAN_BLOCKS: tl.constexpr",
+                       "SCAN_BLOCKS: tl.constexpr", "STATS: tl.constexpr",
                        "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                        "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
 

@@ -20,9 +20,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..codegen.split import generate_split, pack_heads, splittable
+from ..tune import cdiv
 from .cache import load_module, source_hash
 
 MAX_M = 16
@@ -49,16 +49,16 @@ def may_split(region, device: torch.device) -> bool:
 
 def plan(M: int, N: int, programs: int, block_n: int, sms: int) -> tuple[int, int]:
     """(splits, key blocks per split) for a forward of ``programs`` (M block, batch) programs."""
-    n_blocks = triton.cdiv(N, block_n)
+    n_blocks = cdiv(N, block_n)
     if FORCE_SPLITS is not None:
         splits = FORCE_SPLITS
     elif M > MAX_M or sms == 0:
         splits = 1
     else:
-        splits = min(triton.cdiv(PROGRAMS_PER_SM * sms, programs), n_blocks // MIN_BLOCKS)
+        splits = min(cdiv(PROGRAMS_PER_SM * sms, programs), n_blocks // MIN_BLOCKS)
     splits = max(1, min(splits, n_blocks))
-    per = triton.cdiv(n_blocks, splits)
-    return triton.cdiv(n_blocks, per), per
+    per = cdiv(n_blocks, splits)
+    return cdiv(n_blocks, per), per
 
 
 @dataclass
@@ -73,22 +73,24 @@ class SplitKernels:
     source: str
     launches: int = 0
 
-    def launch(self, inputs: list[torch.Tensor], outs: list[torch.Tensor], rowstats: torch.Tensor, cfg) -> bool:
-        """Run split + combine into ``outs`` and ``rowstats`` (*batch, M, W) if the plan splits the
-        keys; False otherwise."""
+    def launch(self, inputs: list[torch.Tensor], outs: list[torch.Tensor], rowstats: torch.Tensor, cfg,
+               stats: bool = True) -> bool:
+        """Run split + combine into ``outs`` and ``rowstats`` (*batch, M, W; a placeholder when
+        ``stats`` is off) if the plan splits the keys; False otherwise."""
         from .op import kernel_args, launch_meta
         r = self.region
         programs_b = math.prod(r.batch)
-        grid_m = triton.cdiv(r.M, cfg.BLOCK_M)
+        grid_m = cdiv(r.M, cfg.BLOCK_M)
         splits, per = plan(r.M, r.N, grid_m * programs_b, cfg.BLOCK_N, sm_count(inputs[0].device))
         if splits == 1:
             return False
         views = [outs[0].view(*r.batch, r.M, r.DV)] + [o.view(*r.batch, r.M) for o in outs[1:]]
         width = sum(1 if red.kind != "dot" else r.DV for red in r.reductions)
         ws = torch.empty((splits, programs_b, r.M, width), dtype=torch.float32, device=inputs[0].device)
-        stats = rowstats.view(*r.batch, r.M, rowstats.shape[-1])     # packed rows: same memory order
-        args = [*kernel_args(r, self.stats, inputs, views, stats, cfg), ws, splits, per]
-        meta = launch_meta(r, cfg)
+        if stats:
+            rowstats = rowstats.view(*r.batch, r.M, rowstats.shape[-1])     # packed rows: same memory order
+        args = [*kernel_args(r, self.stats, inputs, views, rowstats, cfg), ws, splits, per]
+        meta = launch_meta(r, cfg, stats)
         self.split[(grid_m, programs_b, splits)](*args, **meta)
         self.combine[(grid_m, programs_b)](*args, **meta)
         self.launches += 1

@@ -12,13 +12,13 @@ it differentiates the reference evaluator.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from ..codegen import CodegenError, generate, generate_backward
@@ -28,7 +28,7 @@ from ..ir.evaluate import compute_dtype, evaluate, evaluate_all, evaluate_with_r
 from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
-                    head_block, heuristic, smaller)
+                    cdiv, head_block, heuristic, pow2, smaller)
 from . import decode
 from .cache import load_module, source_hash
 
@@ -62,10 +62,17 @@ class CompiledRegion:
     bwd_reason: str = ""
     bwd_launches: int = 0
     split: object = None             # decode.SplitKernels once compiled (False: not splittable)
+    metas: dict = field(default_factory=dict)       # (config, stats) -> (grid, launch_meta)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
         return self.region.result_shape
+
+    @functools.cached_property
+    def shape_bucket(self) -> tuple[int, ...]:
+        """The tuning bucket of this region's sizes (fixed: a registry entry is per sizes)."""
+        r = self.region
+        return bucket(r.M, r.N, math.prod(r.batch))
 
     # -- forward ------------------------------------------------------------------------------
     def check(self, inputs: list[torch.Tensor]) -> None:
@@ -92,6 +99,10 @@ class CompiledRegion:
     def forward(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         return self.run(inputs)[0]
 
+    def infer(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """The output alone (``flashlight::region_infer``): the kernel stores no row statistics."""
+        return self.run_all(inputs, stats=False)[0][0]
+
     def run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The output and the row statistics the backward reads (``flashlight::region``)."""
         outs, rowstats = self.run_all(inputs)
@@ -102,20 +113,22 @@ class CompiledRegion:
         whose backward is the reference VJP (no row statistics needed)."""
         return self.run_all(inputs)[0]
 
-    def run_all(self, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def run_all(self, inputs: list[torch.Tensor], stats: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """[output, *row outputs] and the row statistics (None from the reference evaluator of a
-        region with row outputs, which only ``forward_all`` runs)."""
+        region with row outputs, which only ``forward_all`` runs, and when ``stats`` is off)."""
         self.check(inputs)
         if not self.uses_kernel(inputs):
             if self.region.rows:
                 outs = evaluate_all(self.region, inputs)
                 return [x.to(dt) for x, dt in zip(outs, self.out_dtypes)], None
+            if not stats:
+                return [evaluate(self.region, inputs).to(self.region.out_dtype)], None
             out, rowstats = evaluate_with_rowstats(self.region, inputs)
             return [out.to(self.region.out_dtype)], rowstats
         if MEASURE_SPARSITY:
             cfg = self.config(inputs)
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
-        return self.fitting(inputs, lambda cfg: self.launch(inputs, cfg))
+        return self.fitting(inputs, lambda cfg: self.launch(inputs, cfg, stats))
 
     def fitting(self, inputs: list[torch.Tensor], launch, backward: bool = False):
         """``launch`` under this size's config; a config that does not fit the kernel (shared
@@ -128,9 +141,7 @@ class CompiledRegion:
                 cfg = smaller(cfg)
                 if cfg is None:
                     raise
-                r = self.region
-                shape_bucket = bucket(r.M, r.N, math.prod(r.batch))
-                self.tuned[("bwd", *shape_bucket) if backward else shape_bucket] = cfg
+                self.tuned[("bwd", *self.shape_bucket) if backward else self.shape_bucket] = cfg
 
     @property
     def out_dtypes(self) -> list[torch.dtype]:
@@ -141,18 +152,22 @@ class CompiledRegion:
         rows = [like.new_empty((*r.batch, r.M), dtype=x.dtype) for x in r.rows]
         return [like.new_empty(self.out_shape, dtype=r.out_dtype), *rows]
 
-    def launch(self, inputs: list[torch.Tensor], cfg: Config) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def launch(self, inputs: list[torch.Tensor], cfg: Config,
+               stats: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """One forward: [output, *row outputs] and the fp32 row statistics (the split-KV combine
-        kernel stores them too, so the generated backward serves both paths)."""
+        kernel stores them too, so the generated backward serves both paths). Without ``stats``
+        the kernels skip those stores (they get a one-element placeholder) and None is returned."""
         r = self.region
         outs = self.new_outputs(inputs[0])
-        rowstats = inputs[0].new_empty(self.rowstats_shape, dtype=torch.float32)
+        rowstats = inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32)
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
-        if not (split and split.launch(inputs, outs, rowstats, cfg)):
-            grid = (triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))
-            self.kernel[grid](*kernel_args(r, self.stats, inputs, outs, rowstats, cfg), **launch_meta(r, cfg))
+        if not (split and split.launch(inputs, outs, rowstats, cfg, stats)):
+            meta = self.metas.get((cfg, stats))
+            if meta is None:      # per config: the grid and the constexprs (host time on every call)
+                meta = self.metas[cfg, stats] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)), launch_meta(r, cfg, stats))
+            self.kernel[meta[0]](*kernel_args(r, self.stats, inputs, outs, rowstats, cfg), **meta[1])
         self.launches += 1
-        return outs, rowstats
+        return outs, (rowstats if stats else None)
 
     def split_kernels(self):
         """The split-KV kernels (compiled at first use; None when the region needs several passes)."""
@@ -166,7 +181,7 @@ class CompiledRegion:
         when it was asked for (CUDA only), else the heuristic. ``backward``: a launch function of
         a config for the backward kernel, which has its own space and heuristic."""
         r = self.region
-        shape_bucket = bucket(r.M, r.N, math.prod(r.batch))
+        shape_bucket = self.shape_bucket
         mem_key = ("bwd", *shape_bucket) if backward else shape_bucket
         if mem_key in self.tuned:          # the per-call path: one dict lookup
             return self.tuned[mem_key]
@@ -222,14 +237,14 @@ class CompiledRegion:
         strides = [r.M * rowstats.shape[-1], rowstats.shape[-1]]
         args = common + [a for i in row_grads for a in (bufs[i], *bufs[i].stride())]
         args += [grad, *grad.stride(), rowstats, drow, *strides, *r.batch, r.M]
-        self.bwd_rows_kernel[(triton.cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
+        self.bwd_rows_kernel[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
             *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
         args = common + [a for i in tile_grads for a in (bufs[i], *bufs[i].stride())]
         args += [rowstats, drow, *strides]
         args += block_stat_args(self.bwd_stats, inputs, cfg)
         args += [*r.batch, r.M, r.N]
-        grid = (triton.cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))
-        self.bwd_kernel[grid](*args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.M, cfg.BLOCK_M)),
+        grid = (cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))
+        self.bwd_kernel[grid](*args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)),
                               BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
         self.bwd_launches += 1
         return bufs
@@ -267,10 +282,10 @@ def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: 
     return args + [*r.batch, r.M, r.N]
 
 
-def launch_meta(r: Region, cfg: Config) -> dict:
+def launch_meta(r: Region, cfg: Config, stats: bool = True) -> dict:
     """Constexpr and launch keyword arguments of a generated kernel."""
     return dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
-                SCAN_BLOCKS=triton.next_power_of_2(triton.cdiv(r.N, cfg.BLOCK_N)),
+                SCAN_BLOCKS=pow2(cdiv(r.N, cfg.BLOCK_N)), STATS=stats,
                 BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
 
 
@@ -287,7 +302,7 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
         return 0.0
     ev = Evaluator(region, inputs)
     d = ev.full(ev.ctx_s(dead), ev.ctx_s).bool().flatten(0, -3)       # [batch, M, N]
-    nm, nn = triton.cdiv(region.M, block_m), triton.cdiv(region.N, block_n)
+    nm, nn = cdiv(region.M, block_m), cdiv(region.N, block_n)
     pad = torch.nn.functional.pad(d, (0, nn * block_n - region.N, 0, nm * block_m - region.M), value=True)
     live = ~pad.view(-1, nm, block_m, nn, block_n).all(4).all(2)      # [batch, nm, nn]
     idx = torch.arange(nn).expand_as(live)
@@ -319,7 +334,7 @@ def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, t
     if x.dtype == torch.bool:
         x = x.view(torch.uint8)
     n = x.shape[dim]
-    nb = triton.cdiv(n, block)
+    nb = cdiv(n, block)
     xt = x.movedim(dim, -1)
     if nb * block != n:
         xt = torch.cat([xt, xt[..., -1:].expand(*xt.shape[:-1], nb * block - n)], -1)
@@ -371,6 +386,24 @@ def _region_fake(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, to
     c = REGISTRY[key]
     return (inputs[0].new_empty(c.out_shape, dtype=c.region.out_dtype),
             inputs[0].new_empty(c.rowstats_shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("flashlight::region_infer", mutates_args=())
+def region_infer_op(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The output alone, for graphs that need no gradient (no row statistics are stored)."""
+    return REGISTRY[key].infer(list(inputs))
+
+
+@region_infer_op.register_fake
+def _region_infer_fake(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    c = REGISTRY[key]
+    return inputs[0].new_empty(c.out_shape, dtype=c.region.out_dtype)
+
+
+def region_direct(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """``flashlight::region_infer`` without the dispatcher: what an FX graph that runs as is
+    (no Inductor, no autograd, backend.runs_as_is) calls."""
+    return REGISTRY[key].infer(inputs)
 
 
 @torch.library.custom_op("flashlight::region_backward", mutates_args=())

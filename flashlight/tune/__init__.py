@@ -33,8 +33,18 @@ class Config:
                     num_stages=self.num_stages)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` is a JIT function: ~15 µs per host call)."""
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), in plain Python on the host path."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def head_block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, pow2(d))
 
 
 INTERPRETER = Config(16, 16, 1, 1)      # Triton's CPU interpreter is slow per element: small tiles
@@ -100,7 +110,7 @@ def backward_heuristic(block_d: int) -> Config:
 
 def bucket(*sizes: int) -> tuple[int, ...]:
     """Shapes within a power of two share a tuning result."""
-    return tuple(triton.next_power_of_2(max(1, s)) for s in sizes)
+    return tuple(pow2(s) for s in sizes)
 
 
 class TuningCache:

@@ -44,6 +44,7 @@ def fl_fwd_snapshot(
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     SCAN_BLOCKS: tl.constexpr,
+    STATS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
@@ -108,9 +109,11 @@ def fl_fwd_snapshot(
             r2 = tl.dot(p13, ld12, r2 * alpha0, input_precision="ieee")
             r0 = r0_new
     r0_s = tl.where(r0 == float("-inf"), 0.0, r0)
-    # statistics for the backward (see rowstat_columns)
-    tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 0, r0_s, mask=mask_m[:, None])
-    tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 1, r1, mask=mask_m[:, None])
-    tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], r2, mask=mask_m[:, None] & mask_dv[None, :])
+    # statistics for the backward (see rowstat_columns); STATS is off when no
+    # gradient is needed (flashlight::region_infer)
+    if STATS:
+        tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 0, r0_s, mask=mask_m[:, None])
+        tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 1, r1, mask=mask_m[:, None])
+        tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], r2, mask=mask_m[:, None] & mask_dv[None, :])
     t14 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
     tl.store(out_ptr + b0 * out_s0 + offs_m[:, None] * out_s1 + offs_dv[None, :] * out_s2, t14.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])

@@ -106,7 +106,7 @@ def fl_bwd_snapshot(
         t7 = (db1 + db2)
         t8 = (t7 * t6)
         t9 = (t8 * (0.5))
-        ds0 = tl.broadcast_to(t9, [BLOCK_M, BLOCK_N])
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
         dk0 += tl.dot(tl.trans(ld1), ds0, input_precision="ieee")
         dq0 = tl.dot(ds0, tl.trans(ld2), input_precision="ieee")
         tl.atomic_add(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]), mask=mask_dk[None, :] & mask_m[:, None])
