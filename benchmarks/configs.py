@@ -25,6 +25,14 @@ EXTRA = [Config(bm, bn, w, s) for bm, bn in [(64, 32), (128, 32), (64, 64), (128
          for w in (4, 8) for s in (2, 3, 4)]
 
 
+def parse_config(text: str) -> Config:
+    """``128x64w4s3`` -> Config(128, 64, 4, 3)."""
+    bm, rest = text.split("x")
+    bn, rest = rest.split("w")
+    w, st = rest.split("s")
+    return Config(int(bm), int(bn), int(w), int(st))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="vanilla,sliding_window,document_mask")
@@ -33,17 +41,18 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--extra", action="store_true", help="also time a wider config grid")
+    p.add_argument("--configs", help="only these configs, e.g. 128x128w4s3,64x64w4s3")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = p.parse_args()
     out_dir = os.environ.get("OUT", args.out)
     os.makedirs(out_dir, exist_ok=True)
     captured: dict[str, list] = {}
-    forward = rt.CompiledRegion.forward
+    run_all = rt.CompiledRegion.run_all
 
-    def recording(self, inputs):
+    def recording(self, inputs, stats=True):
         captured[self.key] = inputs
-        return forward(self, inputs)
-    rt.CompiledRegion.forward = recording     # this script's own probe: record the region inputs
+        return run_all(self, inputs, stats)
+    rt.CompiledRegion.run_all = recording     # this script's own probe: record the region inputs
     rows = []
     for name in args.variants.split(","):
         mod = VARIANTS[name]
@@ -56,9 +65,12 @@ def main() -> None:
             chosen = c.config(leaves)
             space = candidates(max(head_block(r.DK), head_block(r.DV)), len(r.dots))
             space += [x for x in EXTRA if args.extra and x not in space]
+            if args.configs:
+                space = [parse_config(x) for x in args.configs.split(",")]
+                space += [chosen] if chosen not in space else []
             for cfg in space:
                 try:
-                    ms = do_bench(lambda: c.launch(leaves, cfg), warmup=10, rep=50, return_mode="median")
+                    ms = do_bench(lambda: c.launch(leaves, cfg, stats=False), warmup=10, rep=50, return_mode="median")
                 except Exception as e:  # noqa: BLE001 — out of shared memory etc.
                     ms, note = float("nan"), type(e).__name__
                 else:

@@ -3,7 +3,7 @@
     python -m benchmarks.overhead --variants sliding_window,vanilla --d 64
 
 For each variant (bf16, CUDA) it times, with ``triton.testing.do_bench`` (median):
-the compiled function, the ``flashlight::region`` op called directly, ``CompiledRegion.forward``,
+the compiled function, the ``flashlight::region_infer`` op called directly, ``CompiledRegion.infer``,
 ``CompiledRegion.launch`` and the kernel alone (``do_bench_cudagraph`` of the launch: no host
 cost). ``host_us`` columns are host time per call (200 calls without synchronising, divided):
 when a layer's host time exceeds the kernel time, the call is launch-bound. With ``--profile``
@@ -50,28 +50,28 @@ def main() -> None:
     out_dir = os.environ.get("OUT", args.out)
     os.makedirs(out_dir, exist_ok=True)
     captured: dict[str, list] = {}
-    forward = rt.CompiledRegion.forward
+    run_all = rt.CompiledRegion.run_all
 
-    def recording(self, inputs):
+    def recording(self, inputs, stats=True):
         captured[self.key] = inputs
-        return forward(self, inputs)
+        return run_all(self, inputs, stats)
     rows = []
     for name in args.variants.split(","):
         mod = VARIANTS[name]
         inputs = mod.make_inputs(args.b, args.h, args.n, args.n, args.d, torch.bfloat16, "cuda")
         fn = torch.compile(mod.attention, backend="flashlight", fullgraph=True)
-        rt.CompiledRegion.forward = recording     # this script's probe: record the region inputs
+        rt.CompiledRegion.run_all = recording     # this script's probe: record the region inputs
         captured.clear()
         fn(*inputs)
-        rt.CompiledRegion.forward = forward
+        rt.CompiledRegion.run_all = run_all
         (key, leaves), = captured.items()
         c = rt.REGISTRY[key]
         cfg = c.config(leaves)
         layers = {
             "compiled": lambda: fn(*inputs),
-            "op": lambda: torch.ops.flashlight.region(key, leaves),
-            "forward": lambda: c.forward(leaves),
-            "launch": lambda: c.launch(leaves, cfg),
+            "op": lambda: torch.ops.flashlight.region_infer(key, leaves),
+            "infer": lambda: c.infer(leaves),
+            "launch": lambda: c.launch(leaves, cfg, stats=False),
         }
         row = dict(variant=name, d=args.d, n=args.n)
         for layer, f in layers.items():

@@ -25,13 +25,17 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _fused_op(target) -> bool:
+    """A flashlight op, or the Python function a graph without autograd calls instead."""
+    return "flashlight" in str(target) or getattr(target, "__module__", "").startswith("flashlight")
+
+
 def score_sized_nodes(gm: torch.fx.GraphModule, numel: int) -> list[str]:
     """Nodes of a graph handed to Inductor that produce a tensor at least ``numel`` large."""
     bad = []
     for n in gm.graph.nodes:
         val = n.meta.get("val")
-        if "flashlight" in str(n.target) or any("flashlight" in str(a.target) for a in n.all_input_nodes
-                                                 if n.target is operator.getitem):
+        if _fused_op(n.target) or any(_fused_op(a.target) for a in n.all_input_nodes if n.target is operator.getitem):
             continue      # the fused op's own outputs (they can be as large as a tiny score tensor)
         if n.op == "call_function" and isinstance(val, torch.Tensor) and val.numel() >= numel:
             bad.append(f"{n.name} = {n.target}{tuple(val.shape)}")

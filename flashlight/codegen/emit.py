@@ -165,6 +165,11 @@ class Emitter:
             raise CodegenError(f"no Triton lowering for op {x.op}")
         as_float = x.op in FLOAT_OPERANDS
         args = [self._arg(a, ctx, block, as_float) for a in x.args]
+        divisor = x.args[1].args[0] if x.op == "div" and x.args[1].op == "const" else None
+        if isinstance(divisor, (int, float)) and divisor != 0 and math.isfinite(divisor):
+            # a multiply by the reciprocal (<= 1 ulp from the quotient): an fp32 division is a
+            # multi-instruction sequence per element, and scores / sqrt(d) divides every score
+            return f"({args[0]} * {1.0 / divisor!r})"
         return "(" + TRITON[x.op].format(*args) + ")"
 
     def load(self, x: Expr, ctx: Ctx, block: Block) -> str:

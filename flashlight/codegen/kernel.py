@@ -160,7 +160,7 @@ class KernelWriter:
             loop.lines += [
                 f"r{j}_new = tl.maximum(r{j}, tl.max({body}, 1, keep_dims=True))",
                 f"r{j}_safe = tl.where(r{j}_new == {NEG_INF}, 0.0, r{j}_new)  # exp(-inf - 0) = 0, not NaN",
-                f"alpha{j} = tl.exp(r{j} - r{j}_safe)  # rescale of sums taken under the old max",
+                f"alpha{j} = {'tl.exp2' if red.base2 else 'tl.exp'}(r{j} - r{j}_safe)  # rescale of sums taken under the old max",
             ]
             em.red_names[j] = f"r{j}_safe"
         for j, red in reds:

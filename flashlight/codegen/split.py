@@ -145,7 +145,7 @@ class CombineWriter(SplitWriter):
             lines.append(f"r{j} = tl.zeros([BLOCK_M, {width}], tl.float32)")
         lines.append("for s in range(0, SPLITS):")
         online = sorted({r.reductions[j].online for j in others} - {None})
-        lines += [f"    alpha{j} = tl.exp(tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
+        lines += [f"    alpha{j} = {'tl.exp2' if r.reductions[j].base2 else 'tl.exp'}(tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
                   f"other={NEG_INF}) - r{j}_safe)  # split max -> final max" for j in online]
         for j in others:
             red = r.reductions[j]

@@ -50,11 +50,13 @@ class Reduction:
     v: Expr | None = None   # over (b..., n, dv), for kind "dot"
     online: int | None = None   # index of the max reduction it is rescaled by (rewrite stage)
     extra: Expr | None = None   # over (b..., m): one more element of a max / sum (a sink column)
+    base2: bool = False         # a max in log2 units (rewrite "base-2"): its sums rescale by exp2
 
     def __post_init__(self):
         assert self.kind in RED_KINDS
         assert (self.v is not None) == (self.kind == "dot")
         assert self.extra is None or self.kind != "dot"
+        assert not self.base2 or self.kind == "max"
 
     def reads(self) -> frozenset[int]:
         """The reductions this one reads (in its body or its extra element)."""
@@ -126,6 +128,7 @@ class Region:
         for j, r in enumerate(self.reductions):
             extra = f" v={fmt(r.v)}" if r.v is not None else ""
             on = f" online(red{r.online})" if r.online is not None else ""
+            on += " base2" if r.base2 else ""
             extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)}")

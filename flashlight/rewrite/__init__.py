@@ -20,10 +20,12 @@ Rules return None to decline.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Callable
 
 from ..ir import Expr, Region, call, const, free_vars, red, refs, substitute, var, verify, walk
+from ..ir.expr import children, simplify
 
 
 # reduce over n in [0, N] of f(cat_n(x, e)) = combine(reduce over n < N of f(x), f(e) at n = N).
@@ -164,24 +166,32 @@ def _free(e: Expr, j: int) -> bool:
     return j not in refs(e, "red")
 
 
-ONLINE: dict[str, Callable[[Expr, int], bool]] = {
-    "exp": lambda e, j: e.args[0].op == "sub" and e.args[0].args[1] == red(j) and _free(e.args[0].args[0], j),
-    "mul": lambda e, j: (scales(e.args[0], j) and _free(e.args[1], j)) or (_free(e.args[0], j) and scales(e.args[1], j)),
-    "div": lambda e, j: scales(e.args[0], j) and _free(e.args[1], j),
-    "div_safe": lambda e, j: scales(e.args[0], j) and _free(e.args[1], j),
-    "neg": lambda e, j: scales(e.args[0], j),
-    "where": lambda e, j: _free(e.args[0], j) and all(scales(a, j) or _is_zero(a) for a in e.args[1:]),
-    "to_f": lambda e, j: scales(e.args[0], j),
+ONLINE: dict[str, Callable[[Expr, int, bool], bool]] = {
+    # exp(x - m), or exp2(x - m) when m is in log2 units (only the base-2 rule writes that)
+    "exp": lambda e, j, b2: not b2 and _shift(e, j),
+    "exp2": lambda e, j, b2: b2 and _shift(e, j),
+    "mul": lambda e, j, b2: (scales(e.args[0], j, b2) and _free(e.args[1], j)) or
+    (_free(e.args[0], j) and scales(e.args[1], j, b2)),
+    "div": lambda e, j, b2: scales(e.args[0], j, b2) and _free(e.args[1], j),
+    "div_safe": lambda e, j, b2: scales(e.args[0], j, b2) and _free(e.args[1], j),
+    "neg": lambda e, j, b2: scales(e.args[0], j, b2),
+    "where": lambda e, j, b2: _free(e.args[0], j) and all(scales(a, j, b2) or _is_zero(a) for a in e.args[1:]),
+    "to_f": lambda e, j, b2: scales(e.args[0], j, b2),
 }
+
+
+def _shift(e: Expr, j: int) -> bool:
+    """e = f(x - red j) with x free of red j."""
+    return e.args[0].op == "sub" and e.args[0].args[1] == red(j) and _free(e.args[0].args[0], j)
 
 
 def _is_zero(e: Expr) -> bool:
     return e.op == "const" and e.args[0] == 0
 
 
-def scales(e: Expr, j: int) -> bool:
+def scales(e: Expr, j: int, base2: bool = False) -> bool:
     rule = ONLINE.get(e.op)
-    return bool(rule and rule(e, j))
+    return bool(rule and rule(e, j, base2))
 
 
 def make_online(region: Region) -> Region | None:
@@ -192,12 +202,109 @@ def make_online(region: Region) -> Region | None:
         for j in maxes:
             others = r.reads() - {j}
             # an extra element is seeded before the loop: the max it reads must be seeded too
-            seeded = r.extra is None or (scales(r.extra, j) and region.reductions[j].extra is not None)
-            if scales(r.body, j) and seeded and \
+            b2 = region.reductions[j].base2
+            seeded = r.extra is None or (scales(r.extra, j, b2) and region.reductions[j].extra is not None)
+            if scales(r.body, j, b2) and seeded and \
                     all(region.reductions[o].kind != "dot" for o in others):
                 reds = list(region.reductions)
                 reds[i] = replace(r, online=j)
                 return replace(region, reductions=reds)
+    return None
+
+
+# Base 2 (FlashAttention's exp2 trick): exp(x - m) = exp2(x log2(e) - m'), m' = max(x log2(e)).
+# The GPU's exp is exp2 of a product by log2(e) anyway; with the max in log2 units that product
+# folds into the constant factor the scores already have (the 1/sqrt(d) scale, a softcap's
+# multiplier, a -inf / -1e9 / finfo.min fill). Each row: op -> the expression times log2(e)
+# with no new multiply, or None (the rule then leaves the region alone: no slower, and no new
+# overflow — a folded factor never grows a value past the unfolded one, and a constant that
+# would overflow clamps to the largest float, so equal fills stay equal).
+LOG2E = 1.0 / math.log(2.0)
+FLT_MAX = 3.4028234663852886e38
+BOUNDED = {"tanh", "sigmoid"}       # |x| <= 1: any constant factor is safe
+
+
+def _scaled_const(c: float) -> Expr:
+    return const(max(-FLT_MAX, min(FLT_MAX, c * LOG2E)) if math.isfinite(c) else c)
+
+
+def _fold_mul(e: Expr) -> Expr | None:
+    for x, c in (e.args, e.args[::-1]):
+        if c.op == "const" and c.kind == "f" and (abs(c.args[0] * LOG2E) <= 1 or x.op in BOUNDED):
+            return call("mul", x, const(c.args[0] * LOG2E))
+    return None
+
+
+def _fold_div(e: Expr) -> Expr | None:
+    c = e.args[1]
+    if c.op == "const" and c.args[0] and abs(LOG2E / c.args[0]) <= 1:
+        return call("mul", e.args[0], const(LOG2E / c.args[0]))
+    return None
+
+
+def _fold_all(e: Expr) -> Expr | None:
+    """Pointwise ops linear in their float operands (a where's condition is not scaled)."""
+    first = 1 if e.op == "where" else 0
+    folded = [fold_log2e(a) for a in e.args[first:]]
+    return None if None in folded else call(e.op, *e.args[:first], *folded)
+
+
+FOLD_LOG2E: dict[str, Callable[[Expr], Expr | None]] = {
+    "const": lambda e: _scaled_const(e.args[0]) if e.kind == "f" else None,
+    "mul": _fold_mul,
+    "div": _fold_div,
+    "neg": _fold_all, "add": _fold_all, "sub": _fold_all, "where": _fold_all,
+}
+
+
+def fold_log2e(e: Expr) -> Expr | None:
+    rule = FOLD_LOG2E.get(e.op)
+    return rule(e) if rule else None
+
+
+def _shifts(e: Expr, j: int) -> list[Expr]:
+    """The x of every exp(x - red j) in e."""
+    return [x.args[0].args[0] for x in walk(e) if x.op == "exp" and _shift(x, j)]
+
+
+def _to_base2(e: Expr, j: int) -> Expr:
+    """exp(x - red j) -> exp2(x log2(e) - red j); any other read of red j -> red j * ln 2."""
+    memo: dict[Expr, Expr] = {}
+
+    def go(x: Expr) -> Expr:
+        if x in memo:
+            return memo[x]
+        if x.op == "exp" and _shift(x, j):
+            new = call("exp2", call("sub", fold_log2e(go(x.args[0].args[0])), red(j)))
+        elif x == red(j):
+            new = call("mul", red(j), const(math.log(2.0)))
+        elif x.op == "load":
+            new = Expr("load", (x.args[0], tuple(go(c) for c in x.args[1])), x.kind)
+        elif children(x):
+            new = simplify(Expr(x.op, tuple(go(c) for c in x.args), x.kind))
+        else:
+            new = x
+        memo[x] = new
+        return new
+    return go(e)
+
+
+def base2(region: Region) -> Region | None:
+    """A running max whose body and every exp(x - max) argument fold log2(e) goes to log2 units
+    (a sink element, one per row, may take a multiply)."""
+    for j, r in enumerate(region.reductions):
+        members = [o for o in region.reductions if o.online == j]
+        if r.kind != "max" or r.base2 or not members or fold_log2e(r.body) is None:
+            continue
+        readers = [e for o in region.reductions for e in (o.body, o.extra) if e is not None]
+        if any(fold_log2e(x) is None for e in readers for x in _shifts(e, j)):
+            continue
+        conv = lambda e: _to_base2(e, j) if e is not None else None      # noqa: E731
+        extra = None if r.extra is None else fold_log2e(r.extra) or call("mul", r.extra, const(LOG2E))
+        reds = [replace(r, body=fold_log2e(r.body), base2=True, extra=extra) if i == j else
+                replace(o, body=conv(o.body), extra=conv(o.extra)) for i, o in enumerate(region.reductions)]
+        rows = [replace(x, expr=conv(x.expr)) for x in region.rows]
+        return replace(region, reductions=reds, out=conv(region.out), rows=rows)
     return None
 
 
@@ -206,6 +313,7 @@ RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("factor-rows", factor_rows),
     ("split-offsets", split_offsets),
     ("online", make_online),
+    ("base-2", base2),
 ]
 
 

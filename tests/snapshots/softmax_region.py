@@ -55,9 +55,9 @@ def fl_fwd_snapshot(
     #   in1: k rank 3 torch.float32
     #   in2: v rank 3 torch.float32
     #   dot0: q=in0[b0, m, dk]  k=in1[b0, n, dk]
-    #   red0 = max_n mul(dot0, 0.5)
-    #   red1 = sum_n exp(sub(mul(dot0, 0.5), red0)) online(red0)
-    #   red2 = dot_n exp(sub(mul(dot0, 0.5), red0)) v=in2[b0, n, dv] online(red0)
+    #   red0 = max_n mul(dot0, 0.7213475204444817) base2
+    #   red1 = sum_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) online(red0)
+    #   red2 = dot_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) v=in2[b0, n, dv] online(red0)
     #   out = div_safe(red2, red1)
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -80,12 +80,12 @@ def fl_fwd_snapshot(
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
         ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
         qk0 = tl.dot(ld1, ld2, input_precision="ieee")
-        t3 = (qk0 * (0.5))
+        t3 = (qk0 * (0.7213475204444817))
         r0_new = tl.maximum(r0, tl.max(t3, 1, keep_dims=True))
         r0_safe = tl.where(r0_new == float("-inf"), 0.0, r0_new)  # exp(-inf - 0) = 0, not NaN
-        alpha0 = tl.exp(r0 - r0_safe)  # rescale of sums taken under the old max
+        alpha0 = tl.exp2(r0 - r0_safe)  # rescale of sums taken under the old max
         t4 = (t3 - r0_safe)
-        t5 = (tl.exp(t4))
+        t5 = (tl.exp2(t4))
         r1 = r1 * alpha0 + tl.sum(t5, 1, keep_dims=True)
         ld6 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
         p7 = t5.to(tl.float32)
@@ -97,12 +97,12 @@ def fl_fwd_snapshot(
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
             ld8 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
             qk0 = tl.dot(ld1, ld8, input_precision="ieee")
-            t9 = (qk0 * (0.5))
+            t9 = (qk0 * (0.7213475204444817))
             r0_new = tl.maximum(r0, tl.max(tl.where(mask_n[None, :], t9, float("-inf")), 1, keep_dims=True))
             r0_safe = tl.where(r0_new == float("-inf"), 0.0, r0_new)  # exp(-inf - 0) = 0, not NaN
-            alpha0 = tl.exp(r0 - r0_safe)  # rescale of sums taken under the old max
+            alpha0 = tl.exp2(r0 - r0_safe)  # rescale of sums taken under the old max
             t10 = (t9 - r0_safe)
-            t11 = (tl.exp(t10))
+            t11 = (tl.exp2(t10))
             r1 = r1 * alpha0 + tl.sum(tl.where(mask_n[None, :], t11, 0.0), 1, keep_dims=True)
             ld12 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
             p13 = tl.where(mask_n[None, :], t11, 0.0).to(tl.float32)

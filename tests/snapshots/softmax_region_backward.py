@@ -61,9 +61,9 @@ def fl_bwd_snapshot(
     #   in1: k rank 3 torch.float32
     #   in2: v rank 3 torch.float32
     #   dot0: q=in0[b0, m, dk]  k=in1[b0, n, dk]
-    #   red0 = max_n mul(dot0, 0.5)
-    #   red1 = sum_n exp(sub(mul(dot0, 0.5), red0)) online(red0)
-    #   red2 = dot_n exp(sub(mul(dot0, 0.5), red0)) v=in2[b0, n, dv] online(red0)
+    #   red0 = max_n mul(dot0, 0.7213475204444817) base2
+    #   red1 = sum_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) online(red0)
+    #   red2 = dot_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) v=in2[b0, n, dv] online(red0)
     #   out = div_safe(red2, red1)
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -96,17 +96,18 @@ def fl_bwd_snapshot(
         qk0 = tl.dot(ld1, ld2, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        t4 = (qk0 * (0.5))
+        t4 = (qk0 * (0.7213475204444817))
         t5 = (t4 - r0_s)
-        t6 = (tl.exp(t5))
+        t6 = (tl.exp2(t5))
         db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld3), input_precision="ieee"), 0.0)
         p2 = tl.where(mask_mn, t6, 0.0)
         dv0 += tl.dot(tl.trans(p2), dr2, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK, dQ
         t7 = (db1 + db2)
         t8 = (t7 * t6)
-        t9 = (t8 * (0.5))
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
+        t9 = (t8 * (0.6931471805599453))
+        t10 = (t9 * (0.7213475204444817))
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t10, [BLOCK_M, BLOCK_N]), 0.0)
         dk0 += tl.dot(tl.trans(ld1), ds0, input_precision="ieee")
         dq0 = tl.dot(ds0, tl.trans(ld2), input_precision="ieee")
         tl.atomic_add(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]), mask=mask_dk[None, :] & mask_m[:, None])
