@@ -1,13 +1,13 @@
-"""Fused dropout on the attention probabilities: a Philox keep mask drawn in the kernel at each
-score's linear index, seeded from torch's generator per call. The reference path and the
-generated backward redraw exactly the kernel's mask; keep rate and expectation are
-statistically right."""
+"""Fused dropout on the attention probabilities: a keep mask of 16-bit Philox draws made in the
+kernel (one Philox call per 8 keys of a row), seeded from torch's generator per call. The
+reference path and the generated backward redraw exactly the kernel's mask; keep rate and
+expectation are statistically right."""
 import torch
 import torch.nn.functional as F
 
 import flashlight
 from flashlight.examples.attention_dropout import P, attention as attn
-from flashlight.ir.philox import rand
+from flashlight.ir.philox import LEVELS, rand16
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import rel_error, score_sized_nodes
 
@@ -20,10 +20,10 @@ def probs(q, k):
 
 def kernel_mask(seed_of_call: int) -> torch.Tensor:
     """The mask of the call made right after ``torch.manual_seed(seed_of_call)``: the seed op's
-    draw, then Philox at the (b, h, m, n) linear index."""
+    draw, then rand16 at row (b, h, m) and column n."""
     torch.manual_seed(seed_of_call)
     seed = torch.randint(0, 1 << 62, (), dtype=torch.int64)
-    return rand(seed, torch.arange(B * H * M * N).view(B, H, M, N)) > P
+    return rand16(seed, torch.arange(B * H * M).view(B, H, M, 1), torch.arange(N)) >= round(P * LEVELS)
 
 
 def inputs():
