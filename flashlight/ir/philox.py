@@ -28,13 +28,11 @@ LEVELS = 1 << 16             # a draw is uniform over [0, LEVELS)
 
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """High and low 32-bit words of a * b for 32-bit a, b, through 16-bit limbs (no overflow)."""
-    al, ah = a & 0xFFFF, a >> 16
-    bl, bh = b & 0xFFFF, b >> 16
-    t = al * bl
-    u = ah * bl + (t >> 16)
-    v = al * bh + (u & 0xFFFF)
-    return ah * bh + (u >> 16) + (v >> 16), ((v & 0xFFFF) << 16) | (t & 0xFFFF)
+    """High and low 32-bit words of a * b for 32-bit a, b: a * b = u * 2**16 + t with the
+    halves of b, each product < 2**48, so nothing overflows int64."""
+    t, u = a * (b & 0xFFFF), a * (b >> 16)
+    s = ((u & 0xFFFF) << 16) + t                 # a * b = (u >> 16) * 2**32 + s, s < 2**49
+    return (u >> 16) + (s >> 32), s & M32
 
 
 def philox(seed: torch.Tensor, counter: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
