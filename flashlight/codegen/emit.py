@@ -214,7 +214,7 @@ class Emitter:
         """Dropout's draw. On the score tile, where the column is the key itself and the row does
         not depend on it, one Philox call serves 8 keys (``fl_rand16_block``); anywhere else
         each element runs its own (``fl_rand16``): the same numbers, 8x the work."""
-        seed, row, col = (f"tl.full([1], {a.args[0]}, tl.int64)" if a.op == "const"
+        seed, row, col = (f"tl.full([1, 1], {a.args[0]}, tl.int64)" if a.op == "const"
                           else self._lookup(a, ctx, block) for a in x.args)
         if ctx.key_start is not None and x.args[2] == var("n") and "n" not in free_vars(x.args[1]):
             return f"fl_rand16_block({seed}, {row}, {ctx.key_start}, BLOCK_M, BLOCK_N)"
