@@ -34,7 +34,7 @@ def features(region: Region) -> list[str]:
         feats.add("bias")
     if any(x.op == "tanh" for x in nodes):
         feats.add("softcap")
-    if any(x.op == "rand" for x in nodes):
+    if any(x.op == "rand16" for x in nodes):
         feats.add("dropout")
     if any(r.online is not None for r in region.reductions):
         feats.add("online-softmax")

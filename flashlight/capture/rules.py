@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from ..ir import Expr, call, coerce, const, free_vars, refs
 from ..ir.expr import is_const
+from ..ir.philox import LEVELS
 from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, static_shape
 
 aten = torch.ops.aten
@@ -110,22 +111,27 @@ def _identity(b, node, x, *_, **__):
 
 
 def _dropout(b, node, x, p, train):
-    """Training dropout: keep where a Philox draw at the element's linear index exceeds p, scaled
-    by 1 / (1 - p). The seed is a 0-d input drawn per call (``runtime/rng.py``)."""
+    """Training dropout: keep where a 16-bit Philox draw is at least p * 65536, scaled by
+    1 / (1 - p). The draw is ``rand16(seed, row, col)`` at the element's row (linear index over
+    all dims but the last) and column (the last, the key axis), so the kernel spends one Philox
+    call per 8 keys (``ir/philox.py``). p is quantised to 1/65536: the keep probability is
+    1 - round(p * 65536) / 65536 (|error| <= 2**-17; FlashAttention-2 quantises to 8 bits); the
+    scale stays eager's 1 / (1 - p). The seed is a 0-d input drawn per call (``runtime/rng.py``)."""
     if not train or p == 0:
         return _identity(b, node, x)
-    if not 0 < p < 1:
-        return b.decline(node, f"dropout with p={p}")
+    threshold = round(p * LEVELS)
+    if not 0 < threshold < LEVELS:
+        return b.decline(node, f"dropout with p={p} (keep probability quantised to 1/{LEVELS} is 0 or 1)")
     s, seed = b.sym(x), b.sym(_seed_node(node))
     shape = out_shape(node)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-    p32 = float(torch.tensor(p, dtype=torch.float32))     # the threshold the kernel compares in fp32
+    strides = [math.prod(shape[d + 1:-1]) for d in range(len(shape) - 1)]
 
     def fn(idx):
-        offset = const(0)
-        for i, st in zip(idx, strides):
-            offset = offset + i * st
-        keep = call("gt", call("rand", seed(()), offset), const(p32))
+        row = const(0)
+        for i, st in zip(idx[:-1], strides):
+            row = row + i * st
+        col = idx[-1] if idx else const(0)
+        keep = call("ge", call("rand16", seed(()), row, col), const(threshold))
         return call("where", keep, call("mul", coerce(s(idx), "f"), const(1.0 / (1.0 - p))), const(0.0))
     return Sym(shape, "f", fn)
 

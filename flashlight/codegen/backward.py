@@ -25,7 +25,7 @@ from ..ir import Expr, Region, dot, free_vars, red, refs, walk
 from ..ir.derivative import not_differentiable, tile, vjp
 from ..ir.region import rowstat_columns
 from ..sparsity import IntervalWriter, dead_predicate, useful
-from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
+from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .kernel import CTX_K, CTX_O, CTX_Q, CTX_S, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, short_expr
 
 
@@ -339,8 +339,9 @@ class BackwardWriter(KernelWriter):
         body = "\n".join("    " + line for line in out.lines)
         sig = ",\n".join("    " + a for a in self.signature())
         doc = "\n".join("    # " + line for line in self.r.describe(sizes=False).splitlines())
-        return (f"import triton\nimport triton.language as tl\n{HELPERS}\n\n@triton.jit\ndef {self.name}(\n{sig},\n):\n"
-                f"{doc}\n{body}\n" + row_gradient_kernel(self.r, f"{self.name}_rows"))
+        source = (f"@triton.jit\ndef {self.name}(\n{sig},\n):\n{doc}\n{body}\n"
+                  + row_gradient_kernel(self.r, f"{self.name}_rows"))
+        return prelude(source) + source
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,

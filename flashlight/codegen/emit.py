@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..ir import Expr, free_vars, refs, walk
+from ..ir import Expr, free_vars, refs, var, walk
 
 
 class CodegenError(Exception):
@@ -37,7 +37,7 @@ TRITON: dict[str, str] = {
     "to_f": "{0}.to(tl.float32)", "to_i": "{0}.to(tl.int64)", "to_b": "{0} != 0",
     # the output tile holds whole rows of dv (BLOCK_DV >= DV): a row sum, padding columns masked
     "sum_dv": "tl.sum(tl.where(mask_dv[None, :], {0} + tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), 0.0), 1, keep_dims=True)",
-    "rand": "tl.rand({0}, ({1}).to(tl.int64))",    # Philox at a 64-bit counter (ir/philox.py)
+    "rand16": "fl_rand16({0}, {1}, {2})",     # any index tiles; CTX_S's key axis: fl_rand16_block
 }
 FLOAT_OPERANDS = {"div", "div_safe", "pow", "exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt",
                   "rsqrt", "reciprocal", "tanh", "sigmoid", "erf", "sin", "cos", "sum_dv"}
@@ -57,6 +57,44 @@ def fl_mod(a, b):
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 '''
 
+# Dropout's draws (ir/philox.py has the definition and its torch twin); only kernels that call
+# them carry them (``prelude``).
+RAND16_HELPERS = '''
+@triton.jit
+def fl_philox16(seed, group, row):
+    # Philox-4x32-10 keyed by the seed at counter (group lo, group hi, row lo, row hi): 4 uint32
+    # words = the 8 16-bit draws of 8 consecutive keys of a row
+    return tl.philox(seed, group.to(tl.uint32), (group >> 32).to(tl.uint32),
+                     row.to(tl.uint32), (row >> 32).to(tl.uint32))
+
+
+@triton.jit
+def fl_rand16(seed, row, col):
+    # rand16 at any (row, col) tiles: one Philox call per element, lane col % 8 of its 128 bits
+    row, col = tl.broadcast(row.to(tl.int64), col.to(tl.int64))
+    r0, r1, r2, r3 = fl_philox16(seed, col // 8, row)
+    lane = col % 8
+    w = tl.where(lane < 4, tl.where(lane < 2, r0, r1), tl.where(lane < 6, r2, r3))
+    return tl.where(lane % 2 == 0, w & 0xFFFF, w >> 16).to(tl.int32)
+
+
+@triton.jit
+def fl_rand16_block(seed, row, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # rand16(seed, row, n) on a [BLOCK_M, BLOCK_N] score tile whose keys are
+    # start_n + arange(BLOCK_N), start_n % 8 == 0: one Philox call per 8 keys, BLOCK_N // 8 per row
+    group = (start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.int64)
+    group, row = tl.broadcast(tl.broadcast_to(group[None, :], [BLOCK_M, BLOCK_N // 8]), row.to(tl.int64))
+    r0, r1, r2, r3 = fl_philox16(seed, group, row)
+    w = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))     # word k of group g at 4 g + k
+    return tl.interleave(w & 0xFFFF, w >> 16).to(tl.int32)              # low half first: lane j at 8 g + j
+'''
+
+
+def prelude(source: str) -> str:
+    """The header of a kernel module: imports and the helpers ``source`` calls."""
+    helpers = HELPERS + (RAND16_HELPERS if "fl_rand16" in source else "")
+    return f"import triton\nimport triton.language as tl\n{helpers}\n\n"
+
 
 def const_str(e: Expr) -> str:
     v = e.args[0]
@@ -73,6 +111,9 @@ class Ctx:
     name: str
     vars: dict[str, str]            # var -> Triton expression (broadcast shape)
     masks: dict[str, str]           # var -> bounds mask of the same shape
+    # the score tile [BLOCK_M, BLOCK_N] only: the first key of the block (n = key_start +
+    # arange(BLOCK_N) along axis 1, a multiple of BLOCK_N), for dropout's grouped draws
+    key_start: str | None = None
 
 
 @dataclass
@@ -161,6 +202,8 @@ class Emitter:
         if x.op == "load":
             raw = self.load(x, ctx, block)
             return _cast_f(raw) if x.kind == "f" else raw
+        if x.op == "rand16":
+            return self.rand16(x, ctx, block)
         if x.op not in TRITON:
             raise CodegenError(f"no Triton lowering for op {x.op}")
         as_float = x.op in FLOAT_OPERANDS
@@ -171,6 +214,16 @@ class Emitter:
             # multi-instruction sequence per element, and scores / sqrt(d) divides every score
             return f"({args[0]} * {1.0 / divisor!r})"
         return "(" + TRITON[x.op].format(*args) + ")"
+
+    def rand16(self, x: Expr, ctx: Ctx, block: Block) -> str:
+        """Dropout's draw. On the score tile, where the column is the key itself and the row does
+        not depend on it, one Philox call serves 8 keys (``fl_rand16_block``); anywhere else
+        each element runs its own (``fl_rand16``): the same numbers, 8x the work."""
+        seed, row, col = (f"tl.full([1, 1], {a.args[0]}, tl.int64)" if a.op == "const"
+                          else self._lookup(a, ctx, block) for a in x.args)
+        if ctx.key_start is not None and x.args[2] == var("n") and "n" not in free_vars(x.args[1]):
+            return f"fl_rand16_block({seed}, {row}, {ctx.key_start}, BLOCK_M, BLOCK_N)"
+        return TRITON["rand16"].format(seed, row, col)
 
     def load(self, x: Expr, ctx: Ctx, block: Block) -> str:
         """The raw (un-cast) load of ``x``, emitted once per context."""

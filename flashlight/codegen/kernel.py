@@ -11,23 +11,23 @@ import torch
 from ..ir import Expr, Region, free_vars, refs
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
-from .emit import HELPERS, Block, CodegenError, Ctx, Emitter
+from .emit import Block, CodegenError, Ctx, Emitter, prelude
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 NEG_INF = 'float("-inf")'
 
 
-def _ctx(name: str, rows: tuple[str, str], cols: tuple[str, str]) -> Ctx:
+def _ctx(name: str, rows: tuple[str, str], cols: tuple[str, str], key_start: str | None = None) -> Ctx:
     """A tile context: ``rows`` = (var, offsets) laid along axis 0, ``cols`` along axis 1."""
     (rv, ro), (cv, co) = rows, cols
     return Ctx(name,
                vars={rv: f"{ro}[:, None]", cv: f"{co}[None, :]"},
-               masks={rv: f"mask_{rv}[:, None]", cv: f"mask_{cv}[None, :]"})
+               masks={rv: f"mask_{rv}[:, None]", cv: f"mask_{cv}[None, :]"}, key_start=key_start)
 
 
 CTX_Q = _ctx("q", ("m", "offs_m"), ("dk", "offs_dk"))
 CTX_K = _ctx("k", ("dk", "offs_dk"), ("n", "offs_n"))       # K is loaded transposed: [DK, N]
-CTX_S = _ctx("s", ("m", "offs_m"), ("n", "offs_n"))
+CTX_S = _ctx("s", ("m", "offs_m"), ("n", "offs_n"), key_start="start_n")   # offs_n = start_n + arange
 CTX_V = _ctx("v", ("n", "offs_n"), ("dv", "offs_dv"))
 CTX_O = _ctx("o", ("m", "offs_m"), ("dv", "offs_dv"))
 TILE = {"q": ("m", "dk", "[BLOCK_M, BLOCK_DK]"), "k": ("dk", "n", "[BLOCK_DK, BLOCK_N]"),
@@ -309,7 +309,8 @@ class KernelWriter:
         self.prologue()
         self.passes()
         self.epilogue()
-        return f"import triton\nimport triton.language as tl\n{HELPERS}\n\n{self.assemble()}"
+        source = self.assemble()
+        return prelude(source) + source
 
 
 def batch_index(nb: int) -> list[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir import Region, Row, const, free_vars, substitute, var, verify, walk
-from .emit import HELPERS
+from .emit import prelude
 from .kernel import NEG_INF, KernelWriter
 
 SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
@@ -173,5 +173,5 @@ def generate_split(region: Region, name: str, allow_tf32: bool = False,
     combine.prologue()
     combine.passes()
     combine.epilogue()
-    return (f"import triton\nimport triton.language as tl\n{HELPERS}\n\n{split.assemble()}\n\n"
-            f"{combine.assemble()}", split.stats)
+    source = f"{split.assemble()}\n\n{combine.assemble()}"
+    return prelude(source) + source, split.stats

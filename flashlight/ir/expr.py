@@ -104,7 +104,9 @@ POINTWISE: dict[str, tuple[int, str | None]] = {
     # sum over the output's head dim dv of an output-tile value (a row value: dv is bound), for
     # norms in the epilogue (DiffAttn's per-head RMSNorm). Only in a region's ``out``.
     "sum_dv": (1, "f"),
-    "rand": (2, "f"),           # rand(seed, offset): uniform [0, 1) from Philox (Triton's tl.rand)
+    # rand16(seed, row, col): uniform integer in [0, 65536), one 16-bit lane (col % 8) of
+    # Philox-4x32-10 at counter (col // 8, row): 8 keys share a call (ir/philox.py; dropout)
+    "rand16": (3, "i"),
 }
 BINDS: dict[str, frozenset[str]] = {"sum_dv": frozenset({"dv"})}   # op -> index vars it sums out
 
