@@ -24,6 +24,7 @@ softmax shift the output is invariant to (zero total derivative).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import torch
@@ -226,7 +227,6 @@ class TileWriter(KernelWriter):
             loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
             em.dot_names[i], operands[i] = f"qk{i}", (q, qdt, k, kdt)
         loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
-        seeds: dict[Expr, Expr] = {}
         for j in self.plan.members:
             rd = r.reductions[j]
             body = full_body(rd.body) if full else rd.body
@@ -241,17 +241,46 @@ class TileWriter(KernelWriter):
                     acc = self.accs["dv"][rd.v]
                     loop.lines += [f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}",
                                    f"{acc} = {self.tl_dot(f'tl.trans(p{j})', dr, vdt, acc=acc)}"]
+        return vjp(self.seeds(full)), operands
+
+    def seeds(self, full: bool) -> dict[Expr, Expr]:
+        """The adjoint of every member body (mask-free in ``full`` blocks): the ``db{j}`` tiles."""
+        seeds: dict[Expr, Expr] = {}
+        for j in self.plan.members:
+            body = full_body(self.r.reductions[j].body) if full else self.r.reductions[j].body
             seeds[body] = seeds[body] + tile(f"db{j}") if body in seeds else tile(f"db{j}")
-        return vjp(seeds), operands
+        return seeds
+
+    def folded_scales(self, kind: str) -> dict[Expr, float]:
+        """Accumulators of ``kind`` whose every dS is ``X * c`` for one constant c (the softmax
+        scale): the loop accumulates X and the accumulator is scaled once after it (FA2's
+        ``dk *= sm_scale``) instead of scaling every score tile."""
+        operand = (lambda i: self.r.dots[i].k) if kind == "dk" else (lambda i: self.r.dots[i].q)
+        found: dict[Expr, set] = {}
+        for full in (False, True):
+            adjoints = vjp(self.seeds(full))
+            for i in self.plan.dots:
+                e = adjoints.get(dot(i))
+                if e is None:
+                    continue
+                c = e.args[1].args[0] if e.op == "mul" and e.args[1].op == "const" else None
+                c = c if isinstance(c, (int, float)) and math.isfinite(c) else None
+                found.setdefault(operand(i), set()).add(c)
+        return {e: cs.pop() for e, cs in found.items() if len(cs) == 1 and None not in cs}
 
     def score_grads(self, loop: Block, adjoints: dict[Expr, Expr], operands: dict[int, tuple]) -> None:
         """dS_i of every score tile a gradient reaches, into this kernel's accumulators
         (dK_i += dS_i^T Q_i, or dQ_i += dS_i K_i)."""
+        kind = "dk" if "dk" in self.kinds else "dq"
+        folded = self.folded_scales(kind)
         for i in self.plan.dots:
             if dot(i) not in adjoints:
                 continue        # no gradient reaches this score tile (e.g. floor(s))
             q, qdt, k, kdt = operands[i]
-            loop.lines.append(f"ds{i} = tl.broadcast_to({self.em.emit(adjoints[dot(i)], CTX_S, loop)}, [BLOCK_M, BLOCK_N])")
+            ds = adjoints[dot(i)]
+            if (self.r.dots[i].k if kind == "dk" else self.r.dots[i].q) in folded:
+                ds = ds.args[0]         # its constant factor is applied after the loop
+            loop.lines.append(f"ds{i} = tl.broadcast_to({self.em.emit(ds, CTX_S, loop)}, [BLOCK_M, BLOCK_N])")
             if "dk" in self.kinds:
                 acc = self.accs["dk"][self.r.dots[i].k]
                 loop.lines.append(f"{acc} = {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt, acc=acc)}")
@@ -261,7 +290,10 @@ class TileWriter(KernelWriter):
 
     def write_grads(self, kind: str, ctx: Ctx) -> None:
         """The gradients of the operands behind accumulator ``kind``, once per program."""
+        folded = self.folded_scales(kind) if kind != "dv" else {}
         for e, name in self.accs.get(kind, {}).items():
+            if e in folded:
+                self.outer.lines.append(f"{name} = {name} * {folded[e]!r}")
             scatter(self.em, vjp({e: tile(name)}), ctx, self.outer, self.plan.stored)
 
     def common_args(self, kernel: str) -> list[str]:

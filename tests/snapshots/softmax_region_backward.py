@@ -101,10 +101,10 @@ def fl_bwd_snapshot(
         # reverse through the bodies: loaded biases and tables, then dS -> dK
         t7 = (db1 + db2)
         t8 = (t7 * t6)
-        t9 = (t8 * (0.5))
-        ds0 = tl.broadcast_to(t9, [BLOCK_M, BLOCK_N])
+        ds0 = tl.broadcast_to(t8, [BLOCK_M, BLOCK_N])
         dk0 = tl.dot(tl.trans(ld1), ds0, dk0, input_precision="ieee")
     # gradients of the K and V operands, accumulated over all query blocks
+    dk0 = dk0 * 0.5
     tl.store(g1_ptr + b0 * g1_s0 + offs_n[None, :] * g1_s1 + offs_dk[:, None] * g1_s2, tl.broadcast_to(dk0, [BLOCK_DK, BLOCK_N]).to(g1_ptr.dtype.element_ty), mask=mask_dk[:, None] & mask_n[None, :])
     tl.store(g2_ptr + b0 * g2_s0 + offs_n[:, None] * g2_s1 + offs_dv[None, :] * g2_s2, tl.broadcast_to(dv0, [BLOCK_N, BLOCK_DV]).to(g2_ptr.dtype.element_ty), mask=mask_dv[None, :] & mask_n[:, None])
 
@@ -187,8 +187,7 @@ def fl_bwd_snapshot_dq(
         t6 = (t5 - r0_s)
         t7 = (tl.exp(t6))
         t8 = (t4 * t7)
-        t9 = (t8 * (0.5))
-        ds0 = tl.broadcast_to(t9, [BLOCK_M, BLOCK_N])
+        ds0 = tl.broadcast_to(t8, [BLOCK_M, BLOCK_N])
         dq0 = tl.dot(ds0, tl.trans(ld2), dq0, input_precision="ieee")
     if not EVEN_N:
         for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
@@ -196,22 +195,22 @@ def fl_bwd_snapshot_dq(
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
             mask_mn = mask_m[:, None] & mask_n[None, :]
             # recompute the score tiles
-            ld10 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
-            qk0 = tl.dot(ld1, ld10, input_precision="ieee")
+            ld9 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+            qk0 = tl.dot(ld1, ld9, input_precision="ieee")
             # d body: dR (sum) or dR @ V^T (P @ V)
             db1 = tl.where(mask_mn, dr1, 0.0)
-            ld11 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld11), input_precision="ieee"), 0.0)
+            ld10 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld10), input_precision="ieee"), 0.0)
             # reverse through the bodies: dS -> dQ
-            t12 = (db1 + db2)
-            t13 = (qk0 * (0.5))
-            t14 = (t13 - r0_s)
-            t15 = (tl.exp(t14))
-            t16 = (t12 * t15)
-            t17 = (t16 * (0.5))
-            ds0 = tl.broadcast_to(t17, [BLOCK_M, BLOCK_N])
-            dq0 = tl.dot(ds0, tl.trans(ld10), dq0, input_precision="ieee")
+            t11 = (db1 + db2)
+            t12 = (qk0 * (0.5))
+            t13 = (t12 - r0_s)
+            t14 = (tl.exp(t13))
+            t15 = (t11 * t14)
+            ds0 = tl.broadcast_to(t15, [BLOCK_M, BLOCK_N])
+            dq0 = tl.dot(ds0, tl.trans(ld9), dq0, input_precision="ieee")
     # gradients of the Q operands, accumulated over all key blocks
+    dq0 = dq0 * 0.5
     tl.store(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]).to(g0_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_m[:, None])
 
 
