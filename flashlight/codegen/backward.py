@@ -182,6 +182,7 @@ class TileWriter(KernelWriter):
         self.plan = plan
         self.em = LoopEmitter(self.axis)
         self.accs: dict[str, dict[Expr, str]] = {}      # "dq"/"dk"/"dv" -> operand expression -> register tile
+        self.folded: dict[str, dict[Expr, float]] = {}  # "dq"/"dk" -> operand expression -> scale (folded_scales)
 
     @staticmethod
     def cast(x: str, dt: torch.dtype) -> str:
@@ -255,6 +256,8 @@ class TileWriter(KernelWriter):
         """Accumulators of ``kind`` whose every dS is ``X * c`` for one constant c (the softmax
         scale): the loop accumulates X and the accumulator is scaled once after it (FA2's
         ``dk *= sm_scale``) instead of scaling every score tile."""
+        if kind in self.folded:
+            return self.folded[kind]
         operand = (lambda i: self.r.dots[i].k) if kind == "dk" else (lambda i: self.r.dots[i].q)
         found: dict[Expr, set] = {}
         for full in (False, True):
@@ -266,7 +269,8 @@ class TileWriter(KernelWriter):
                 c = e.args[1].args[0] if e.op == "mul" and e.args[1].op == "const" else None
                 c = c if isinstance(c, (int, float)) and math.isfinite(c) else None
                 found.setdefault(operand(i), set()).add(c)
-        return {e: cs.pop() for e, cs in found.items() if len(cs) == 1 and None not in cs}
+        self.folded[kind] = {e: cs.pop() for e, cs in found.items() if len(cs) == 1 and None not in cs}
+        return self.folded[kind]
 
     def score_grads(self, loop: Block, adjoints: dict[Expr, Expr], operands: dict[int, tuple]) -> None:
         """dS_i of every score tile a gradient reaches, into this kernel's accumulators
