@@ -25,7 +25,7 @@ def test_every_example_has_fp64_gradients_from_the_generated_kernel(name):
 
 
 def test_biases_of_every_broadcast_shape_and_a_score_scalar():
-    """Gradients into loads are atomic adds at the load's address, reduced over broadcast dims."""
+    """Gradients into body loads are atomic adds at the load's address, reduced over broadcast dims."""
     H, M, N, D = 2, 19, 23, 16
     q, k, v = torch.randn(1, H, M, D), torch.randn(1, H, N, D), torch.randn(1, H, N, D)
     col, head, row, temp = torch.randn(N), torch.randn(H, 1, 1), torch.randn(1, M, 1), torch.tensor(0.7)
@@ -87,20 +87,71 @@ def test_unsupported_region_falls_back_to_the_reference_with_a_reason():
     check_grads(attn, inputs, generated=False)
 
 
+def _kernels(source: str) -> dict[str, str]:
+    """The generated backward's kernels by role: the dK/dV kernel, ``_dq`` and ``_rows``."""
+    kernels = {}
+    for chunk in source.split("@triton.jit")[1:]:
+        name = chunk.split("(")[0].split()[-1]
+        if name.startswith("fl_bwd"):
+            kernels["dq" if name.endswith("_dq") else "rows" if name.endswith("_rows") else "dkdv"] = chunk
+    return kernels
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
 def test_block_sparse_backward_never_reads_dead_tiles():
     """Causal, 4 x 4 blocks of 16 (the interpreter's): the last key block is live only for the
-    last query block. NaN queries in the first three query blocks would reach that key block's
-    dK through dK += Q^T dS (NaN * 0) if its dead tiles were visited."""
+    last query block, the first query block only sees the first key block. NaN queries in the
+    first three query blocks would reach the last key block's dK through dK += Q^T dS (NaN * 0)
+    if the dK/dV kernel visited its dead tiles; NaN keys after the first block would reach the
+    first query block's dQ through dQ += dS K if the dQ kernel visited its dead tiles."""
     mod = VARIANTS["causal"]
     q, k, v = (x.requires_grad_() for x in mod.make_inputs(B=1, H=1, M=64, D=16))
     report = flashlight.explain(mod.attention, q, k, v)
     assert report.regions[0].backward.startswith("generated")
+    fast = torch.compile(mod.attention, backend="flashlight")
     with torch.no_grad():
         q[..., :48, :] = float("nan")
-    dk, dv = torch.autograd.grad(torch.compile(mod.attention, backend="flashlight")(q, k, v).sum(), [k, v])
+    dk, dv = torch.autograd.grad(fast(q, k, v).sum(), [k, v])
     assert dk[..., 48:, :].isfinite().all() and dv[..., 48:, :].isfinite().all()
     assert dk[..., :48, :].isnan().any()      # the NaNs do flow where the scores are live
+    q, k, v = (x.detach().requires_grad_() for x in mod.make_inputs(B=1, H=1, M=64, D=16))
+    with torch.no_grad():
+        k[..., 16:, :] = float("nan")
+    (dq,) = torch.autograd.grad(fast(q, k, v).sum(), [q])
+    assert dq[..., :16, :].isfinite().all() and dq[..., 16:, :].isnan().any()
+
+
+def test_two_kernel_backward_stores_what_one_program_owns():
+    """dQ comes from its own kernel over query blocks, written once per program with a store (no
+    atomics at all for plain causal attention: dK and dV are stored too); with GQA, the query
+    heads sharing a K/V head meet in its gradient (atomic adds) while dQ is still stored."""
+    causal = VARIANTS["causal"]
+    src = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=2, M=20, D=16)).regions[0].backward_source
+    kernels = _kernels(src)
+    assert set(kernels) == {"dkdv", "dq", "rows"}
+    assert "atomic_add" not in src and kernels["dq"].count("tl.store(") == 1
+    torch.compiler.reset()
+    gqa = VARIANTS["gqa"]
+    inputs = gqa.make_inputs(B=1, H=4, M=21, D=16)
+    kernels = _kernels(flashlight.explain(gqa.attention, *inputs).regions[0].backward_source)
+    assert "atomic_add" not in kernels["dq"] and "tl.store(" in kernels["dq"]
+    assert kernels["dkdv"].count("atomic_add") == 2
+    check_grads(gqa.attention, inputs)
+
+
+def test_gradients_keep_their_input_dtype_and_layout():
+    """Stored gradients go straight into empty_like(x) in x's dtype (here a BSHD-strided q and
+    fp16), accumulated ones (a broadcast bias) through fp32; all keep the input's strides."""
+    q, k, v = (torch.randn(1, 19, 2, 16).transpose(1, 2).half() for _ in range(3))
+    bias = torch.randn(2, 1, 19).half()
+    leaves = [x.requires_grad_() for x in (q, k, v, bias)]
+
+    def attn(q, k, v, bias):
+        return torch.softmax(q @ k.mT * 0.25 + bias, -1) @ v
+    grads = torch.autograd.grad(torch.compile(attn, backend="flashlight")(*leaves).sum(), leaves)
+    for g, x in zip(grads, leaves):
+        assert g.dtype == x.dtype and g.stride() == x.stride()
+    check_grads(attn, [x.detach() for x in leaves], tol=2e-2)
 
 
 # -- IR level ---------------------------------------------------------------------------------

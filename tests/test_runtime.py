@@ -214,9 +214,11 @@ def test_graph_of_only_regions_and_views_skips_inductor(monkeypatch):
     assert calls == [1] and rel_error(out, causal.attention(to64(q) @ to64(w), to64(k), to64(v))) < 1e-3
 
 
-def test_a_config_that_does_not_fit_falls_back_to_a_smaller_one_for_good():
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_a_config_that_does_not_fit_falls_back_to_a_smaller_one_for_good(kernel):
     """A default config can exceed shared memory for a heavy kernel (OutOfResources at its first
-    compile): the next smaller config of the ladder runs, and is kept for that size."""
+    compile): the next smaller config of the ladder runs, and is kept for that size and kernel
+    (the backward's two tile kernels shrink independently)."""
     from triton.runtime.errors import OutOfResources
 
     from flashlight.runtime import op
@@ -224,6 +226,7 @@ def test_a_config_that_does_not_fit_falls_back_to_a_smaller_one_for_good():
     r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=20, D=16)).regions[0]
     c = op.REGISTRY[r.key]
     key = bucket(c.region.M, c.region.N, 1)
+    key = key if kernel == "fwd" else (kernel, *key)
     c.tuned[key] = Config(128, 128, 8, 3)
     tried = []
 
@@ -233,7 +236,7 @@ def test_a_config_that_does_not_fit_falls_back_to_a_smaller_one_for_good():
             raise OutOfResources(295424, 232448, "shared memory")
         return "ran"
     try:
-        assert c.fitting([], launch) == "ran"
+        assert c.fitting([], launch, kernel) == "ran"
         assert c.tuned[key] == Config(64, 64, 4, 2) == tried[-1] and len(tried) == 5
     finally:
         del c.tuned[key]

@@ -1,32 +1,42 @@
-"""Backward kernel generation (FA2): one Triton program per (N block, batch index) loops over the
-query blocks, recomputes the score tiles and reduction bodies from the saved row statistics, and
-reverses the bodies with ``ir.derivative.vjp``.
+"""Backward kernel generation (FA2): the derivative of the region's program, reversed with
+``ir.derivative.vjp`` on recomputed tiles, in three generated kernels launched in this order:
+
+1. ``name_rows`` (``row_gradient_kernel``), one program per (M block, batch index): dL/dr_j for
+   every reduction r_j from the output expression (FA2's preprocessing ``D = rowsum(dO * O)``).
+2. ``name`` (``DKDVWriter``), one program per (N block, batch index) looping over the live query
+   blocks: dK and dV in registers, and the gradients of the loads in the reduction bodies
+   (biases of any broadcast shape, gathered tables) scattered per tile.
+3. ``name_dq`` (``DQWriter``), one program per (M block, batch index) looping over the live key
+   blocks with the forward's own sparsity scan: dQ in registers, written once.
 
 Per (M block, N block) tile, for the reductions of the region (r_j = sum_n body_j, or
-r_j = sum_n body_j V_j for a P @ V product), given the row gradients dR_j that a first kernel
-(``row_gradient_kernel``) derived from the output expression::
+r_j = sum_n body_j V_j for a P @ V product), given the row gradients dR_j::
 
     d body_j = dR_j (sum)  or  dR_j @ V_j^T (P @ V)         dV_j += body_j^T @ dR_j
     (d dot_i, d loads) = vjp of the bodies                  dK_i += dS_i^T @ Q_i,  dQ_i += dS_i @ K_i
 
-dK and dV accumulate in registers over the query loop; dQ, and the gradients of every float input
-the bodies or the Q/K/V operands load (biases of any broadcast shape, gathered tables), go to fp32
-buffers with ``tl.atomic_add`` at the load's own address, so broadcast dims are reduced and
-gathered indices scatter-add. A max reduction is treated as a constant: ``backward_support`` only
-accepts regions where it is a softmax shift the output is invariant to (zero total derivative).
+Both tile kernels recompute the score tiles (FA2's price for having no dQ atomics: N / BLOCK_N
+programs would otherwise contend on every dQ row). The Q, K and V operand expressions are reversed
+from their accumulators once per program; where those gradients go — a plain store, or an fp32
+atomic add where programs share an address (GQA, broadcast, gather) — is ``gradients.grad_plan``.
+A max reduction is treated as a constant: ``backward_support`` only accepts regions where it is a
+softmax shift the output is invariant to (zero total derivative).
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..ir import Expr, Region, dot, free_vars, red, refs, walk
 from ..ir.derivative import not_differentiable, tile, vjp
 from ..ir.region import rowstat_columns
-from ..sparsity import IntervalWriter, dead_predicate, useful
+from ..sparsity import BlockStat, IntervalWriter, dead_predicate, full_body, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
-from .kernel import CTX_K, CTX_O, CTX_Q, CTX_S, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, short_expr
+from .gradients import GradPlan, grad_plan, scatter
+from .kernel import (CTX_K, CTX_O, CTX_Q, CTX_S, CTX_V, TL_DTYPE, KernelWriter, batch_index, full_tile, key_block,
+                     short_expr)
 
 
 def _same(ds: list[int]) -> int | None:
@@ -95,38 +105,7 @@ def backward_support(region: Region) -> str | None:
     return None
 
 
-def epilogue_grad_inputs(region: Region) -> list[int]:
-    """Float inputs the output expression loads (their gradients come from the row kernel)."""
-    return sorted({x.args[0] for x in walk(region.out) if x.op == "load" and x.kind == "f"})
-
-
-def grad_inputs(region: Region) -> list[int]:
-    """Float inputs the tile kernel writes gradients for: those the score program loads."""
-    exprs = [e for d in region.dots for e in (d.q, d.k)]
-    exprs += [e for r in region.reductions if r.kind != "max" for e in (r.body, r.v) if e is not None]
-    return sorted({x.args[0] for e in exprs for x in walk(e) if x.op == "load" and x.kind == "f"})
-
-
-def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block) -> None:
-    """atomic_add every load's adjoint into its gradient buffer at the load's address, first
-    summed over the tile axes its index does not use (broadcast dims)."""
-    rows, cols, shape = TILE[ctx.name]
-    for x, g in adjoints.items():
-        if x.op != "load":
-            continue
-        val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
-        used = set().union(*(free_vars(i) for i in x.args[1]))
-        if rows not in used and cols not in used:
-            val = f"tl.sum(tl.sum({val}, 1), 0)"
-        elif rows not in used:
-            val = f"tl.sum({val}, 0, keep_dims=True)"
-        elif cols not in used:
-            val = f"tl.sum({val}, 1, keep_dims=True)"
-        ptr, mask = em.address(x, ctx, block, "g")
-        block.lines.append(f"tl.atomic_add({ptr}, {val}" + (f", mask={mask})" if mask else ")"))
-
-
-def row_gradient_kernel(region: Region, name: str) -> str:
+def row_gradient_kernel(region: Region, plan: GradPlan, name: str) -> str:
     """FA2's preprocessing step, generalised: one program per (M block, batch index) reverses
     the output expression on [BLOCK_M, DV] tiles (``vjp`` of ``out`` with the adjoint dO) into
     dL/dr_j for every reduction — stored in the layout of the row statistics, summed over dv for
@@ -162,9 +141,8 @@ def row_gradient_kernel(region: Region, name: str) -> str:
         else:
             block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.sum({g}, 1, keep_dims=True), "
                                "mask=mask_m[:, None])")
-    scatter(em, adjoints, CTX_O, block)
-    args = [a for i, x in enumerate(region.inputs) for a in [f"in{i}_ptr"] + [f"in{i}_s{d}" for d in range(len(x.shape))]]
-    args += [a for i in epilogue_grad_inputs(region) for a in [f"g{i}_ptr"] + [f"g{i}_s{d}" for d in range(len(region.inputs[i].shape))]]
+    scatter(em, adjoints, CTX_O, block, plan.stored)
+    args = tensor_args(region, "in", range(len(region.inputs))) + tensor_args(region, "g", plan.written("rows"))
     args += ["dout_ptr", *[f"dout_s{d}" for d in range(nb + 2)], "rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm"]
     args += [f"B{d}" for d in range(nb)] + ["M", "DV: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_DV: tl.constexpr"]
     sig = ",\n".join("    " + a for a in args)
@@ -172,112 +150,185 @@ def row_gradient_kernel(region: Region, name: str) -> str:
     return f"\n\n@triton.jit\ndef {name}(\n{sig},\n):\n{body}\n"
 
 
-class RowLoopEmitter(Emitter):
-    """The backward's inner loop runs over query blocks: what does not vary along m (K and V
-    tiles, key-only loads) is hoisted out of it."""
+
+
+def tensor_args(region: Region, base: str, inputs) -> list[str]:
+    """Pointer and stride arguments of the inputs (``in``) or their gradients (``g``)."""
+    return [a for i in inputs for a in [f"{base}{i}_ptr"] + [f"{base}{i}_s{d}" for d in range(len(region.inputs[i].shape))]]
+
+
+class LoopEmitter(Emitter):
+    """Hoists what does not vary along the loop's axis (``m``: the dK/dV kernel's query loop;
+    ``n``: the dQ kernel's key loop) out of it. Score tiles and seeds (``tile``) always vary; the
+    softmax shifts (``red``) do in the query loop, which loads them per query block."""
+
+    def __init__(self, axis: str):
+        super().__init__()
+        self.axis = axis
 
     def variant(self, e: Expr) -> bool:
-        return "m" in free_vars(e) or bool(refs(e, "dot") or refs(e, "red") or refs(e, "tile"))
+        return (self.axis in free_vars(e) or bool(refs(e, "dot") or refs(e, "tile"))
+                or (self.axis == "m" and bool(refs(e, "red"))))
 
 
-class BackwardWriter(KernelWriter):
-    def __init__(self, region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
-                 sparse: bool = True):
+class TileWriter(KernelWriter):
+    """What the two tile kernels share: on one (M block, N block) tile, recompute the score tiles
+    and reduction bodies from the saved row statistics and reverse the bodies (``vjp``)."""
+    axis = ""           # the loop's axis
+
+    def __init__(self, region: Region, plan: GradPlan, name: str, allow_tf32: bool = False,
+                 interpret: bool = False, sparse: bool = True):
         super().__init__(region, name, allow_tf32, interpret, sparse)
-        self.em = RowLoopEmitter()
-        self.grads = grad_inputs(region)
-        self.members = [j for j, rd in enumerate(region.reductions) if rd.kind != "max"]
-        self.accs: dict[str, dict[Expr, str]] = {}      # "dk"/"dv" -> operand expression -> register tile
+        self.plan = plan
+        self.em = LoopEmitter(self.axis)
+        self.accs: dict[str, dict[Expr, str]] = {}      # "dq"/"dk"/"dv" -> operand expression -> register tile
+        self.folded: dict[str, dict[Expr, float]] = {}  # "dq"/"dk" -> operand expression -> scale (folded_scales)
 
     @staticmethod
     def cast(x: str, dt: torch.dtype) -> str:
         """An fp32 tile as a tl.dot operand of type ``dt`` (FA2 feeds P and dS in fp16/bf16)."""
         return x if dt == torch.float32 else f"{x}.to({TL_DTYPE[dt]})"
 
-    # -- one (M block, N block) tile ------------------------------------------------------------
-    def row_values(self, loop: Block) -> None:
+    def row_values(self, block: Block) -> None:
         """The forward's softmax shifts (saved per row) and dL/dr_j (from the row kernel)."""
         cols, _ = rowstat_columns(self.r)
         row = "pid_b * rowstats_sb + offs_m * rowstats_sm"
-        loop.lines += ["mask_mn = mask_m[:, None] & mask_n[None, :]",
-                       "# the forward's softmax shifts, and dL/d(reduction) from the output expression"]
+        block.lines.append("# the forward's softmax shifts, and dL/d(reduction) from the output expression")
         for j, rd in enumerate(self.r.reductions):
             if rd.kind == "max":
-                loop.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
+                block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
                 self.em.red_names[j] = f"r{j}_s"
+            elif j not in self.plan.members:
+                continue
             elif rd.kind == "sum":
-                loop.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
+                block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
             else:
-                loop.lines.append(f"dr{j} = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
-                                  f" + {cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
+                block.lines.append(f"dr{j} = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
+                                   f" + {cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
 
-    def body_seeds(self, loop: Block) -> dict[Expr, Expr]:
-        """The adjoint of every reduction body on this tile; accumulates dV on the way."""
-        r, em = self.r, self.em
-        loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR")
-        seeds: dict[Expr, Expr] = {}
-        for j in self.members:
-            rd = r.reductions[j]
-            if rd.kind == "sum":       # d body = dR_j, broadcast along n
-                loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
-            else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j
-                v, vdt = self.dot_operand(rd.v, CTX_V, loop)
-                p = full_tile(em.emit(rd.body, CTX_S, loop), rd.body, CTX_S, r)
-                dr = self.cast(f"dr{j}", vdt)
-                loop.lines += [
-                    f"db{j} = tl.where(mask_mn, {self.tl_dot(dr, f'tl.trans({v})', vdt)}, 0.0)",
-                    f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}",
-                    f"{self.acc('dv', rd.v)} += {self.tl_dot(f'tl.trans(p{j})', dr, vdt)}",
-                ]
-            seeds[rd.body] = seeds[rd.body] + tile(f"db{j}") if rd.body in seeds else tile(f"db{j}")
-        return seeds
+    def accumulators(self) -> None:
+        """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
+        P @ V products share one dV), zero before the loop."""
+        shapes = {"dq": "[BLOCK_M, BLOCK_DK]", "dk": "[BLOCK_DK, BLOCK_N]", "dv": "[BLOCK_N, BLOCK_DV]"}
+        for kind in self.kinds:
+            for e in self.plan.accs[kind]:
+                name = self.accs.setdefault(kind, {}).setdefault(e, f"{kind}{len(self.accs[kind])}")
+                self.outer.lines.append(f"{name} = tl.zeros({shapes[kind]}, dtype=tl.float32)")
 
-    def tile_body(self, loop: Block) -> None:
+    def tile_adjoints(self, loop: Block, full: bool) -> tuple[dict[Expr, Expr], dict[int, tuple]]:
+        """Recompute the score tiles and bodies of one tile and reverse them: the adjoints of the
+        leaves (score tiles, loads) and each score tile's tl.dot operands. ``full``: a block the
+        sparsity scan proved inside every mask (mask-free bodies, as the forward's)."""
         r, em = self.r, self.em
-        self.row_values(loop)
+        loop.lines += ["mask_mn = mask_m[:, None] & mask_n[None, :]", "# recompute the score tiles"]
         em.dot_names, operands = {}, {}
-        used = sorted(set().union(*(refs(r.reductions[j].body, "dot") for j in self.members)))
-        loop.lines.append("# recompute the score tiles")
-        for i in used:
+        for i in self.plan.dots:
             q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
             k, kdt = self.dot_operand(r.dots[i].k, CTX_K, loop)
             loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
             em.dot_names[i], operands[i] = f"qk{i}", (q, qdt, k, kdt)
-        adjoints = vjp(self.body_seeds(loop))
-        loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK, dQ")
-        scatter(self.em, adjoints, CTX_S, loop)             # (the reductions read are constant shifts)
-        for i in used:
+        loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
+        for j in self.plan.members:
+            rd = r.reductions[j]
+            body = full_body(rd.body) if full else rd.body
+            if rd.kind == "sum":       # d body = dR_j, broadcast along n
+                loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
+            else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j
+                v, vdt = self.dot_operand(rd.v, CTX_V, loop)
+                dr = self.cast(f"dr{j}", vdt)
+                loop.lines.append(f"db{j} = tl.where(mask_mn, {self.tl_dot(dr, f'tl.trans({v})', vdt)}, 0.0)")
+                if "dv" in self.kinds:
+                    p = full_tile(em.emit(body, CTX_S, loop), body, CTX_S, r)
+                    acc = self.accs["dv"][rd.v]
+                    loop.lines += [f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}",
+                                   f"{acc} = {self.tl_dot(f'tl.trans(p{j})', dr, vdt, acc=acc)}"]
+        return vjp(self.seeds(full)), operands
+
+    def seeds(self, full: bool) -> dict[Expr, Expr]:
+        """The adjoint of every member body (mask-free in ``full`` blocks): the ``db{j}`` tiles."""
+        seeds: dict[Expr, Expr] = {}
+        for j in self.plan.members:
+            body = full_body(self.r.reductions[j].body) if full else self.r.reductions[j].body
+            seeds[body] = seeds[body] + tile(f"db{j}") if body in seeds else tile(f"db{j}")
+        return seeds
+
+    def folded_scales(self, kind: str) -> dict[Expr, float]:
+        """Accumulators of ``kind`` whose every dS is ``X * c`` for one constant c (the softmax
+        scale): the loop accumulates X and the accumulator is scaled once after it (FA2's
+        ``dk *= sm_scale``) instead of scaling every score tile."""
+        if kind in self.folded:
+            return self.folded[kind]
+        operand = (lambda i: self.r.dots[i].k) if kind == "dk" else (lambda i: self.r.dots[i].q)
+        found: dict[Expr, set] = {}
+        for full in (False, True):
+            adjoints = vjp(self.seeds(full))
+            for i in self.plan.dots:
+                e = adjoints.get(dot(i))
+                if e is None:
+                    continue
+                c = e.args[1].args[0] if e.op == "mul" and e.args[1].op == "const" else None
+                c = c if isinstance(c, (int, float)) and math.isfinite(c) else None
+                found.setdefault(operand(i), set()).add(c)
+        self.folded[kind] = {e: cs.pop() for e, cs in found.items() if len(cs) == 1 and None not in cs}
+        return self.folded[kind]
+
+    def score_grads(self, loop: Block, adjoints: dict[Expr, Expr], operands: dict[int, tuple]) -> None:
+        """dS_i of every score tile a gradient reaches, into this kernel's accumulators
+        (dK_i += dS_i^T Q_i, or dQ_i += dS_i K_i)."""
+        kind = "dk" if "dk" in self.kinds else "dq"
+        folded = self.folded_scales(kind)
+        for i in self.plan.dots:
             if dot(i) not in adjoints:
                 continue        # no gradient reaches this score tile (e.g. floor(s))
             q, qdt, k, kdt = operands[i]
-            ds = em.emit(adjoints[dot(i)], CTX_S, loop)
-            loop.lines += [
-                # out-of-range keys can score exp(+large) when the shift is a finite fill (-1e9):
-                # 0 * inf there would reach dQ through K's zero padding
-                f"ds{i} = tl.where(mask_mn, tl.broadcast_to({ds}, [BLOCK_M, BLOCK_N]), 0.0)",
-                f"{self.acc('dk', r.dots[i].k)} += {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt)}",
-                f"dq{i} = {self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt)}",
-            ]
-            scatter(self.em, vjp({r.dots[i].q: tile(f"dq{i}")}), CTX_Q, loop)
+            ds = adjoints[dot(i)]
+            if (self.r.dots[i].k if kind == "dk" else self.r.dots[i].q) in folded:
+                ds = ds.args[0]         # its constant factor is applied after the loop
+            # out-of-range keys can score exp(+large) when the shift is a finite fill (-1e9): 0 * inf
+            # there would reach dQ through K's zero padding (fuzz seed 21, #195)
+            loop.lines.append(f"ds{i} = tl.where(mask_mn, tl.broadcast_to({self.em.emit(ds, CTX_S, loop)}, "
+                              "[BLOCK_M, BLOCK_N]), 0.0)")
+            if "dk" in self.kinds:
+                acc = self.accs["dk"][self.r.dots[i].k]
+                loop.lines.append(f"{acc} = {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt, acc=acc)}")
+            else:
+                acc = self.accs["dq"][self.r.dots[i].q]
+                loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt, acc=acc)}")
 
-    def acc(self, kind: str, e: Expr) -> str:
-        """Register accumulator of the gradient of a K (dk, [DK, N]) or V (dv, [N, DV]) operand,
-        one per distinct expression (DiffAttn's two P @ V products share one dV)."""
-        accs = self.accs.setdefault(kind, {})
-        if e not in accs:
-            accs[e] = f"{kind}{len(accs)}"
-            shape = "[BLOCK_DK, BLOCK_N]" if kind == "dk" else "[BLOCK_N, BLOCK_DV]"
-            self.outer.lines.append(f"{accs[e]} = tl.zeros({shape}, dtype=tl.float32)")
-        return accs[e]
+    def write_grads(self, kind: str, ctx: Ctx) -> None:
+        """The gradients of the operands behind accumulator ``kind``, once per program."""
+        folded = self.folded_scales(kind) if kind != "dv" else {}
+        for e, name in self.accs.get(kind, {}).items():
+            if e in folded:
+                self.outer.lines.append(f"{name} = {name} * {folded[e]!r}")
+            scatter(self.em, vjp({e: tile(name)}), ctx, self.outer, self.plan.stored)
 
-    # -- whole kernel -------------------------------------------------------------------------
+    def common_args(self, kernel: str) -> list[str]:
+        args = tensor_args(self.r, "in", range(len(self.r.inputs))) + tensor_args(self.r, "g", self.plan.written(kernel))
+        args += ["rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm"]
+        for k, st in enumerate(self.stats):
+            args += [f"aux{k}_min", f"aux{k}_max"]
+            args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
+        return args + [f"B{d}" for d in range(len(self.r.batch))] + ["M", "N", "DK: tl.constexpr", "DV: tl.constexpr"]
+
+
+class DKDVWriter(TileWriter):
+    """FA2's first backward kernel: one program per (key block, batch index) loops over the live
+    query blocks; dK and dV stay in registers, the loads of the bodies (biases, tables) get their
+    gradients scattered per tile."""
+    axis, kinds = "m", ("dk", "dv")
+
     def query_loop(self) -> list[str]:
         """The loop over query blocks. With a useful mask it runs over [first live, last live]
         query block of this key block only — the forward's dead predicate, interval-tested for
         every query block at once (a skipped tile contributes exactly zero to every gradient)."""
         loop = Block(parent=self.outer)
         loop.lines += ["offs_m = start_m + tl.arange(0, BLOCK_M)", "mask_m = offs_m < M"]
-        self.tile_body(loop)
+        self.row_values(loop)
+        adjoints, operands = self.tile_adjoints(loop, full=False)
+        loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
+        scatter(self.em, adjoints, CTX_S, loop, self.plan.stored)  # (the reductions read are constant shifts)
+        self.score_grads(loop, adjoints, operands)
         dead = dead_predicate(self.r, self.r.passes()[0])
         bounds = "0, M, BLOCK_M"
         if self.sparse and useful(dead):
@@ -293,29 +344,14 @@ class BackwardWriter(KernelWriter):
                                  f"{lo} = tl.min(tl.where(mblk_live, pid_m, SCAN_BLOCKS), 0)",
                                  f"{hi} = tl.max(tl.where(mblk_live, pid_m, -1), 0) + 1"]
             bounds = f"{lo} * BLOCK_M, {hi} * BLOCK_M, BLOCK_M"
-        return ([f"for start_m in range({bounds}):"]
-                + ["    " + x for x in loop.lines])
+        return [f"for start_m in range({bounds}):"] + ["    " + x for x in loop.lines]
 
     def signature(self) -> list[str]:
-        args = []
-        for i, x in enumerate(self.r.inputs):
-            args.append(f"in{i}_ptr")
-            args += [f"in{i}_s{d}" for d in range(len(x.shape))]
-        for i in self.grads:
-            args.append(f"g{i}_ptr")
-            args += [f"g{i}_s{d}" for d in range(len(self.r.inputs[i].shape))]
-        args += ["rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm"]
-        for k, st in enumerate(self.stats):
-            args += [f"aux{k}_min", f"aux{k}_max"]
-            args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
-        args += [f"B{d}" for d in range(len(self.r.batch))] + ["M", "N"]
-        return args + ["DK: tl.constexpr", "DV: tl.constexpr", "SCAN_BLOCKS: tl.constexpr",
-                       "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr", "BLOCK_DK: tl.constexpr",
-                       "BLOCK_DV: tl.constexpr"]
+        return self.common_args("dkdv") + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",
+                                           "BLOCK_N: tl.constexpr", "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
 
     def write(self) -> str:
-        out = self.outer
-        out.lines += [
+        self.outer.lines += [
             "pid_n = tl.program_id(0)", *batch_index(len(self.r.batch)),
             "start_n = pid_n * BLOCK_N",
             "offs_n = start_n + tl.arange(0, BLOCK_N)",
@@ -329,28 +365,60 @@ class BackwardWriter(KernelWriter):
             "blk = pid_n       # this program's key block, for the sparsity scan",
             "blk_valid = n_lo < N",
         ]
-        loop = self.query_loop()
-        out.lines += loop
-        out.lines.append("# gradients of the K and V operands, accumulated over all query blocks")
-        for e, name in self.accs.get("dk", {}).items():
-            scatter(self.em, vjp({e: tile(name)}), CTX_K, out)
-        for e, name in self.accs.get("dv", {}).items():
-            scatter(self.em, vjp({e: tile(name)}), CTX_V, out)
-        body = "\n".join("    " + line for line in out.lines)
-        sig = ",\n".join("    " + a for a in self.signature())
-        doc = "\n".join("    # " + line for line in self.r.describe(sizes=False).splitlines())
-        source = (f"@triton.jit\ndef {self.name}(\n{sig},\n):\n{doc}\n{body}\n"
-                  + row_gradient_kernel(self.r, f"{self.name}_rows"))
-        return prelude(source) + source
+        self.accumulators()
+        self.outer.lines += self.query_loop()
+        self.outer.lines.append("# gradients of the K and V operands, accumulated over all query blocks")
+        self.write_grads("dk", CTX_K)
+        self.write_grads("dv", CTX_V)
+        return self.assemble()
+
+
+class DQWriter(TileWriter):
+    """FA2's second backward kernel: one program per (query block, batch index) loops over the
+    live key blocks exactly as the forward does (``KernelWriter.segments``: masked head, mask-free
+    middle, masked tail) and accumulates dQ = sum_n dS K in registers, written once at the end —
+    no atomics across key blocks. It writes no other gradient (the dK/dV kernel owns them)."""
+    axis, kinds = "n", ("dq",)
+
+    def signature(self) -> list[str]:
+        return self.common_args("dq") + ["EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr", "SCAN_BLOCKS: tl.constexpr",
+                                         "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
+                                         "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
+
+    def key_block_grads(self, loop: Block, full: bool) -> None:
+        key_block(loop, full)
+        adjoints, operands = self.tile_adjoints(loop, full)
+        loop.lines.append("# reverse through the bodies: dS -> dQ")
+        self.score_grads(loop, adjoints, operands)
+
+    def write(self) -> str:
+        self.prologue()
+        self.row_values(self.outer)
+        self.accumulators()
+        members = self.r.passes()[0]
+        self.outer.lines += self.key_loops(members, self.key_block_grads)
+        self.outer.lines.append("# gradients of the Q operands, accumulated over all key blocks")
+        self.write_grads("dq", CTX_Q)
+        return self.assemble()
+
+
+class KernelStats(NamedTuple):
+    """The per-block statistics each tile kernel's sparsity scan reads (``sparsity.BlockStat``)."""
+    dkdv: list[BlockStat]
+    dq: list[BlockStat]
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
-                      sparse: bool = True):
-    """Triton source of the backward kernels (``name``: the tile kernel; ``name_rows``: the row
-    gradients it reads, launched first) and the per-block statistics the tile kernel's sparsity
-    scan reads; raises CodegenError (the reason) when the region needs the reference backward."""
+                      sparse: bool = True) -> tuple[str, KernelStats]:
+    """Triton source of the backward kernels — ``name_rows`` (row gradients, launched first),
+    ``name`` (dK, dV and the body loads' gradients) and ``name_dq`` — and the per-block
+    statistics of the two tile kernels; raises CodegenError (the reason) when the region needs
+    the reference backward."""
     reason = backward_support(region)
     if reason:
         raise CodegenError(reason)
-    w = BackwardWriter(region, name, allow_tf32, interpret, sparse)
-    return w.write(), w.stats
+    plan = grad_plan(region)
+    kv = DKDVWriter(region, plan, name, allow_tf32, interpret, sparse)
+    dq = DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
+    source = f"{kv.write()}\n\n{dq.write()}" + row_gradient_kernel(region, plan, f"{name}_rows")
+    return prelude(source) + source, KernelStats(kv.stats, dq.stats)

@@ -91,25 +91,31 @@ class KernelWriter:
             cols = "BLOCK_DV" if kind == "dot" else "1"
             out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
         self.seed(members)
-        loops = []      # bodies first: their hoisted invariants must precede every guard
-        for guard, segs in self.segments(members):
-            indent = "    " if guard else ""
-            lines = [guard] if guard else []
-            for lo, hi, full in segs:
-                lo, hi = self.bounds(lo), self.bounds(hi)
-                loop = Block(parent=out)
-                self.loop_body(members, loop, full)
-                lines.append(f"{indent}for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
-                             + ("  # full blocks: no masks" if full else ""))
-                lines += [indent + "    " + line for line in loop.lines]
-            loops += lines
-        out.lines += loops
+        out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full))
         for j in members:
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
                 em.red_names[j] = f"r{j}_s"
             else:
                 em.red_names[j] = f"r{j}"
+
+    def key_loops(self, members: list[int], body) -> list[str]:
+        """The loops over key blocks of a pass (``segments``); ``body(loop, full)`` writes one
+        block into ``loop``. Returns the lines; the bodies come first so that their hoisted
+        invariants precede every guard. (The backward's dQ kernel reuses this with its own body.)"""
+        loops = []
+        for guard, segs in self.segments(members):
+            indent = "    " if guard else ""
+            lines = [guard] if guard else []
+            for lo, hi, full in segs:
+                lo, hi = self.bounds(lo), self.bounds(hi)
+                loop = Block(parent=self.outer)
+                body(loop, full)
+                lines.append(f"{indent}for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
+                             + ("  # full blocks: no masks" if full else ""))
+                lines += [indent + "    " + line for line in loop.lines]
+            loops += lines
+        return loops
 
     def seed(self, members: list[int]) -> None:
         """Reductions with an ``extra`` element (a sink column) start from it: maxima first,
@@ -143,9 +149,7 @@ class KernelWriter:
         r, em = self.r, self.em
         reds = [(j, r.reductions[j]) for j in members]
         bodies = {j: full_body(red.body) if full else red.body for j, red in reds}
-        loop.lines.append("offs_n = start_n + tl.arange(0, BLOCK_N)")
-        loop.lines.append("mask_n = tl.full([BLOCK_N], 1, tl.int1)" if full else
-                          "mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N")
+        key_block(loop, full)
         em.dot_names = {}
         for i in sorted(set().union(*(refs(b, "dot") for b in bodies.values()))):
             q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
@@ -311,6 +315,13 @@ class KernelWriter:
         self.epilogue()
         source = self.assemble()
         return prelude(source) + source
+
+
+def key_block(loop: Block, full: bool) -> None:
+    """Offsets and bounds mask of the key block at ``start_n`` (constant true in full blocks)."""
+    loop.lines.append("offs_n = start_n + tl.arange(0, BLOCK_N)")
+    loop.lines.append("mask_n = tl.full([BLOCK_N], 1, tl.int1)" if full else
+                      "mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N")
 
 
 def batch_index(nb: int) -> list[str]:

@@ -6,9 +6,9 @@ On CUDA it launches the generated kernel; on CPU it runs the same kernel under t
 interpreter when ``TRITON_INTERPRET=1``, and otherwise the region's reference evaluator.
 The op also returns the fp32 row statistics of every reduction (``ir.region.rowstat_columns``),
 which autograd saves with the inputs — never a score-sized tensor. The backward
-(``flashlight::region_backward``) launches the generated FA2-style kernel (``codegen/backward.py``)
-when the region supports it and the inputs run kernels; otherwise (float64, unsupported regions)
-it differentiates the reference evaluator.
+(``flashlight::region_backward``) launches the generated FA2-style kernels (``codegen/backward.py``,
+``runtime/backward.py``) when the region supports it and the inputs run kernels; otherwise
+(float64, unsupported regions) it differentiates the reference evaluator.
 """
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from ..codegen import CodegenError, generate, generate_backward
-from ..codegen.backward import epilogue_grad_inputs, grad_inputs
+from ..codegen.gradients import grad_plan
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
-                    cdiv, head_block, heuristic, pow2, smaller)
+                    cdiv, head_block, heuristic, pow2, rows_config, smaller)
 from . import decode
+from .backward import BackwardKernels
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -54,11 +55,9 @@ class CompiledRegion:
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
     max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
     sparse: bool = False             # the mask may skip key blocks (picks the default config)
-    bwd_kernel: object = None        # generated backward, or None: the reference VJP (bwd_reason says why)
-    bwd_rows_kernel: object = None   # its row-gradient step, launched first
+    bwd_kernel: BackwardKernels | None = None    # generated backward, or None: the reference VJP (bwd_reason says why)
     bwd_name: str = ""
-    bwd_source: str = ""
-    bwd_stats: list = field(default_factory=list)
+    bwd_source: str = ""             # all three backward kernels (row gradients, dK/dV, dQ)
     bwd_reason: str = ""
     bwd_launches: int = 0
     split: object = None             # decode.SplitKernels once compiled (False: not splittable)
@@ -130,10 +129,12 @@ class CompiledRegion:
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
         return self.fitting(inputs, lambda cfg: self.launch(inputs, cfg, stats))
 
-    def fitting(self, inputs: list[torch.Tensor], launch, backward: bool = False):
-        """``launch`` under this size's config; a config that does not fit the kernel (shared
-        memory, at its first compile) is replaced for good by the next smaller one."""
-        cfg = self.config(inputs, backward=launch if backward else None)
+    def fitting(self, inputs: list[torch.Tensor], launch, kernel: str = "fwd", tune=None):
+        """``launch`` under this size's config for ``kernel`` (``"fwd"``, or the backward's
+        ``"dkdv"`` / ``"dq"``); a config that does not fit the kernel (shared memory, at its
+        first compile) is replaced for good by the next smaller one. ``tune``: a launch free of
+        side effects, for timing configs (default ``launch``)."""
+        cfg = self.config(inputs, kernel, tune or launch)
         while True:
             try:
                 return launch(cfg)
@@ -141,7 +142,10 @@ class CompiledRegion:
                 cfg = smaller(cfg)
                 if cfg is None:
                     raise
-                self.tuned[("bwd", *self.shape_bucket) if backward else self.shape_bucket] = cfg
+                self.tuned[self.tuning_key(kernel)] = cfg
+
+    def tuning_key(self, kernel: str) -> tuple:
+        return self.shape_bucket if kernel == "fwd" else (kernel, *self.shape_bucket)
 
     @property
     def out_dtypes(self) -> list[torch.dtype]:
@@ -176,28 +180,29 @@ class CompiledRegion:
                                               interpreting()) or False
         return self.split or None
 
-    def config(self, inputs: list[torch.Tensor], backward=None) -> Config:
-        """Launch config for these sizes: memory, then disk (an earlier tuning), then autotuning
-        when it was asked for (CUDA only), else the heuristic. ``backward``: a launch function of
-        a config for the backward kernel, which has its own space and heuristic."""
+    def config(self, inputs: list[torch.Tensor], kernel: str = "fwd", tune=None) -> Config:
+        """Launch config of ``kernel`` for these sizes: memory, then disk (an earlier tuning), then
+        autotuning when it was asked for (CUDA only; ``tune`` launches a config, default the
+        forward), else the heuristic. The backward's two tile kernels (``"dkdv"``, ``"dq"``) have
+        their own spaces, heuristics and tuning results."""
         r = self.region
-        shape_bucket = self.shape_bucket
-        mem_key = ("bwd", *shape_bucket) if backward else shape_bucket
+        mem_key = self.tuning_key(kernel)
         if mem_key in self.tuned:          # the per-call path: one dict lookup
             return self.tuned[mem_key]
         if inputs[0].device.type != "cuda" or interpreting():
             cfg = INTERPRETER
         else:
             block_d = max(head_block(r.DK), head_block(r.DV))
-            key = TuningCache.key(shape_bucket, torch.cuda.get_device_name(inputs[0].device))
-            disk = TuningCache(self.path.parent, self.bwd_name if backward else self.name)
+            key = TuningCache.key(bucket(r.M, r.N, math.prod(r.batch)), torch.cuda.get_device_name(inputs[0].device))
+            disk = TuningCache(self.path.parent, self.name if kernel == "fwd" else f"{self.bwd_name}_{kernel}")
             cfg = disk.load().get(key)
             if cfg is None and self.max_autotune:
-                space = backward_candidates(block_d) if backward else candidates(block_d, len(r.dots), r.M)
-                cfg = self.autotune(backward or (lambda c: self.launch(inputs, c)), space)
+                space = candidates(block_d, len(r.dots), r.M) if kernel == "fwd" else backward_candidates(block_d, kernel)
+                cfg = self.autotune(tune or (lambda c: self.launch(inputs, c)), space)
                 disk.store(key, cfg)
             elif cfg is None:
-                cfg = backward_heuristic(block_d) if backward else heuristic(block_d, len(r.dots), self.sparse, r.M)
+                cfg = heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
+                    backward_heuristic(block_d, kernel, self.sparse)
         self.tuned[mem_key] = cfg
         return cfg
 
@@ -215,39 +220,20 @@ class CompiledRegion:
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
-        if self.bwd_kernel is None or not self.uses_kernel(inputs):
+        """The generated kernels: row gradients, then dK/dV (and the body loads' gradients) over
+        key blocks, then dQ over query blocks, each tile kernel under its own config."""
+        k = self.bwd_kernel
+        if k is None or not self.uses_kernel(inputs):
             return self.reference_backward(inputs, grad)
-        def launch(cfg: Config) -> dict[int, torch.Tensor]:
-            return self.launch_backward(inputs, rowstats, grad, cfg)
-        bufs = self.fitting(inputs, launch, backward=True)
-        return [torch.empty_like(x).copy_(bufs[i]) if i in bufs else torch.zeros_like(x) for i, x in enumerate(inputs)]
-
-    def launch_backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
-                        cfg: Config) -> dict[int, torch.Tensor]:
-        """The generated backward kernels (row gradients, then tiles); returns the fp32 gradients
-        they accumulated, by input."""
-        r = self.region
-        tile_grads, row_grads = grad_inputs(r), epilogue_grad_inputs(r)
-        bufs = {i: torch.zeros(inputs[i].shape, dtype=torch.float32, device=grad.device)
-                for i in sorted(set(tile_grads) | set(row_grads))}
-        drow = torch.zeros_like(rowstats)
-        common: list = []
-        for x in inputs:
-            common += [x, *x.stride()]
-        strides = [r.M * rowstats.shape[-1], rowstats.shape[-1]]
-        args = common + [a for i in row_grads for a in (bufs[i], *bufs[i].stride())]
-        args += [grad, *grad.stride(), rowstats, drow, *strides, *r.batch, r.M]
-        self.bwd_rows_kernel[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
-            *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
-        args = common + [a for i in tile_grads for a in (bufs[i], *bufs[i].stride())]
-        args += [rowstats, drow, *strides]
-        args += block_stat_args(self.bwd_stats, inputs, cfg)
-        args += [*r.batch, r.M, r.N]
-        grid = (cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))
-        self.bwd_kernel[grid](*args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)),
-                              BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        cuda = inputs[0].device.type == "cuda" and not interpreting()
+        rows = rows_config(head_block(self.region.DV)) if cuda else INTERPRETER
+        bufs = k.buffers(inputs)
+        drow = k.launch_rows(inputs, rowstats, grad, bufs, rows)
+        for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
+            self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drow, bufs, cfg), kernel,
+                         tune=lambda cfg, run=launch: run(inputs, rowstats, drow, k.buffers(inputs), cfg))
         self.bwd_launches += 1
-        return bufs
+        return k.results(inputs, bufs)
 
     def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
@@ -361,18 +347,19 @@ def compile_region(region: Region) -> CompiledRegion:
 
 
 def compile_backward(c: CompiledRegion) -> None:
-    """Generate and import the region's backward kernel, or record why it uses the reference."""
+    """Generate and import the region's backward kernels, or record why it uses the reference."""
     placeholder = "fl_bwd"
     try:
-        source, c.bwd_stats = generate_backward(c.region, placeholder, interpret=interpreting(),
-                                                allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+        source, stats = generate_backward(c.region, placeholder, interpret=interpreting(),
+                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32)
     except CodegenError as e:
         c.bwd_reason = str(e)
         return
     c.bwd_name = f"fl_bwd_{source_hash(source)}"
-    c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and {placeholder}_rows
+    c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and its _dq, _rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
-    c.bwd_kernel, c.bwd_rows_kernel = getattr(module, c.bwd_name), getattr(module, f"{c.bwd_name}_rows")
+    kernel = lambda suffix: getattr(module, f"{c.bwd_name}{suffix}")       # noqa: E731
+    c.bwd_kernel = BackwardKernels(c.region, grad_plan(c.region), stats, kernel("_rows"), kernel(""), kernel("_dq"))
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())

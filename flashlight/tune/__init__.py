@@ -95,17 +95,35 @@ def candidates(block_d: int, n_dots: int = 1, M: int | None = None) -> list[Conf
     return configs
 
 
-def backward_candidates(block_d: int) -> list[Config]:
-    """The backward keeps dK and dV ([BLOCK_N, D] each) in registers across its query loop, so
-    it favours narrow query blocks (FA2's Triton kernel: 32 x 128)."""
-    configs = [Config(32, 128, 4, 3), Config(64, 128, 8, 2), Config(64, 64, 4, 3), Config(32, 64, 4, 3),
-               Config(128, 64, 8, 2)]
-    return [c for c in configs if block_d < 256 or c.BLOCK_M * c.BLOCK_N <= 32 * 64]
+# The backward's two tile kernels, (BLOCK_M, BLOCK_N, warps, stages). dK/dV keeps dK and dV
+# ([BLOCK_N, D] each) in registers across its query loop: wide key blocks, narrow query blocks
+# (Triton's fused-attention tutorial: 32 x 128 on Hopper). dQ keeps dQ ([BLOCK_M, D]) across its
+# key loop: the forward's shapes.
+BACKWARD = {
+    "dkdv": [(64, 128, 8, 3), (32, 128, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 4, 2)],
+    "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3), (64, 32, 4, 2), (128, 128, 8, 2)],
+}
 
 
-def backward_heuristic(block_d: int) -> Config:
-    """The backward's default: FA2's 32 x 128 (not yet measured against the space on the H200)."""
-    return backward_candidates(block_d)[0]
+def backward_candidates(block_d: int, kernel: str) -> list[Config]:
+    """The autotuning space of a backward kernel (``"dkdv"`` or ``"dq"``), pruned by head dim:
+    a 128-wide head drops 128 x 128 tiles, a 256-wide one keeps tiles of at most 32 x 64 / 64 x 32."""
+    limit = 32 * 64 if block_d >= 256 else 128 * 64 if block_d >= 128 else 128 * 128
+    return [Config(*c) for c in BACKWARD[kernel] if c[0] * c[1] <= limit]
+
+
+def backward_heuristic(block_d: int, kernel: str, sparse: bool = False) -> Config:
+    """A backward kernel's default (not yet measured on the H200, see docs/notes.md): the first
+    candidate; dQ at D <= 64 with a mask that skips blocks takes the forward's 64 x 64 (short
+    live ranges waste wide query blocks)."""
+    if kernel == "dq" and sparse and block_d <= 64:
+        return Config(64, 64, 4, 3)
+    return backward_candidates(block_d, kernel)[0]
+
+
+def rows_config(block_dv: int) -> Config:
+    """The row-gradient kernel: elementwise over [BLOCK_M, DV] tiles (BLOCK_N unused)."""
+    return Config(64 if block_dv <= 128 else 32, 16, 4, 1)
 
 
 def bucket(*sizes: int) -> tuple[int, ...]:

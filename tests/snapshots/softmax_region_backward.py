@@ -29,10 +29,6 @@ def fl_bwd_snapshot(
     in2_s0,
     in2_s1,
     in2_s2,
-    g0_ptr,
-    g0_s0,
-    g0_s1,
-    g0_s2,
     g1_ptr,
     g1_s0,
     g1_s1,
@@ -79,41 +75,146 @@ def fl_bwd_snapshot(
     n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1
     blk = pid_n       # this program's key block, for the sparsity scan
     blk_valid = n_lo < N
+    dk0 = tl.zeros([BLOCK_DK, BLOCK_N], dtype=tl.float32)
+    dv0 = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
     ld3 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-    dv0 = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    dk0 = tl.zeros([BLOCK_DK, BLOCK_N], dtype=tl.float32)
     for start_m in range(0, M, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
-        mask_mn = mask_m[:, None] & mask_n[None, :]
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
         r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[:, None]
         dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[:, None]
         dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+        mask_mn = mask_m[:, None] & mask_n[None, :]
         # recompute the score tiles
         ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
         qk0 = tl.dot(ld1, ld2, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
+        db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld3), input_precision="ieee"), 0.0)
         t4 = (qk0 * (0.7213475204444817))
         t5 = (t4 - r0_s)
         t6 = (tl.exp2(t5))
-        db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld3), input_precision="ieee"), 0.0)
         p2 = tl.where(mask_mn, t6, 0.0)
-        dv0 += tl.dot(tl.trans(p2), dr2, input_precision="ieee")
-        # reverse through the bodies: loaded biases and tables, then dS -> dK, dQ
+        dv0 = tl.dot(tl.trans(p2), dr2, dv0, input_precision="ieee")
+        # reverse through the bodies: loaded biases and tables, then dS -> dK
         t7 = (db1 + db2)
         t8 = (t7 * t6)
         t9 = (t8 * (0.6931471805599453))
-        t10 = (t9 * (0.7213475204444817))
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t10, [BLOCK_M, BLOCK_N]), 0.0)
-        dk0 += tl.dot(tl.trans(ld1), ds0, input_precision="ieee")
-        dq0 = tl.dot(ds0, tl.trans(ld2), input_precision="ieee")
-        tl.atomic_add(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]), mask=mask_dk[None, :] & mask_m[:, None])
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
+        dk0 = tl.dot(tl.trans(ld1), ds0, dk0, input_precision="ieee")
     # gradients of the K and V operands, accumulated over all query blocks
-    tl.atomic_add(g1_ptr + b0 * g1_s0 + offs_n[None, :] * g1_s1 + offs_dk[:, None] * g1_s2, tl.broadcast_to(dk0, [BLOCK_DK, BLOCK_N]), mask=mask_dk[:, None] & mask_n[None, :])
-    tl.atomic_add(g2_ptr + b0 * g2_s0 + offs_n[:, None] * g2_s1 + offs_dv[None, :] * g2_s2, tl.broadcast_to(dv0, [BLOCK_N, BLOCK_DV]), mask=mask_dv[None, :] & mask_n[:, None])
+    dk0 = dk0 * 0.7213475204444817
+    tl.store(g1_ptr + b0 * g1_s0 + offs_n[None, :] * g1_s1 + offs_dk[:, None] * g1_s2, tl.broadcast_to(dk0, [BLOCK_DK, BLOCK_N]).to(g1_ptr.dtype.element_ty), mask=mask_dk[:, None] & mask_n[None, :])
+    tl.store(g2_ptr + b0 * g2_s0 + offs_n[:, None] * g2_s1 + offs_dv[None, :] * g2_s2, tl.broadcast_to(dv0, [BLOCK_N, BLOCK_DV]).to(g2_ptr.dtype.element_ty), mask=mask_dv[None, :] & mask_n[:, None])
+
+
+@triton.jit
+def fl_bwd_snapshot_dq(
+    in0_ptr,
+    in0_s0,
+    in0_s1,
+    in0_s2,
+    in1_ptr,
+    in1_s0,
+    in1_s1,
+    in1_s2,
+    in2_ptr,
+    in2_s0,
+    in2_s1,
+    in2_s2,
+    g0_ptr,
+    g0_s0,
+    g0_s1,
+    g0_s2,
+    rowstats_ptr,
+    drow_ptr,
+    rowstats_sb,
+    rowstats_sm,
+    B0,
+    M,
+    N,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    SCAN_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # region batch rank 1, DK=4 DV=4
+    #   in0: q rank 3 torch.float32
+    #   in1: k rank 3 torch.float32
+    #   in2: v rank 3 torch.float32
+    #   dot0: q=in0[b0, m, dk]  k=in1[b0, n, dk]
+    #   red0 = max_n mul(dot0, 0.7213475204444817) base2
+    #   red1 = sum_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) online(red0)
+    #   red2 = dot_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) v=in2[b0, n, dv] online(red0)
+    #   out = div_safe(red2, red1)
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    b0 = pid_b % B0
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_m = tl.full([BLOCK_M], 1, tl.int1) if EVEN_M else offs_m < M
+    m_lo = pid_m * BLOCK_M
+    m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1
+    mask_dk = tl.full([BLOCK_DK], 1, tl.int1) if DK == BLOCK_DK else offs_dk < DK
+    mask_dv = tl.full([BLOCK_DV], 1, tl.int1) if DV == BLOCK_DV else offs_dv < DV
+    # the forward's softmax shifts, and dL/d(reduction) from the output expression
+    r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[:, None]
+    dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[:, None]
+    dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+    dq0 = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
+    ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
+    for start_n in range(0 * BLOCK_N, N // BLOCK_N * BLOCK_N, BLOCK_N):  # full blocks: no masks
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        # recompute the score tiles
+        ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+        qk0 = tl.dot(ld1, ld2, input_precision="ieee")
+        # d body: dR (sum) or dR @ V^T (P @ V)
+        db1 = tl.where(mask_mn, dr1, 0.0)
+        ld3 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+        db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld3), input_precision="ieee"), 0.0)
+        # reverse through the bodies: dS -> dQ
+        t4 = (db1 + db2)
+        t5 = (qk0 * (0.7213475204444817))
+        t6 = (t5 - r0_s)
+        t7 = (tl.exp2(t6))
+        t8 = (t4 * t7)
+        t9 = (t8 * (0.6931471805599453))
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
+        dq0 = tl.dot(ds0, tl.trans(ld2), dq0, input_precision="ieee")
+    if not EVEN_N:
+        for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
+            mask_mn = mask_m[:, None] & mask_n[None, :]
+            # recompute the score tiles
+            ld10 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+            qk0 = tl.dot(ld1, ld10, input_precision="ieee")
+            # d body: dR (sum) or dR @ V^T (P @ V)
+            db1 = tl.where(mask_mn, dr1, 0.0)
+            ld11 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld11), input_precision="ieee"), 0.0)
+            # reverse through the bodies: dS -> dQ
+            t12 = (db1 + db2)
+            t13 = (qk0 * (0.7213475204444817))
+            t14 = (t13 - r0_s)
+            t15 = (tl.exp2(t14))
+            t16 = (t12 * t15)
+            t17 = (t16 * (0.6931471805599453))
+            ds0 = tl.where(mask_mn, tl.broadcast_to(t17, [BLOCK_M, BLOCK_N]), 0.0)
+            dq0 = tl.dot(ds0, tl.trans(ld10), dq0, input_precision="ieee")
+    # gradients of the Q operands, accumulated over all key blocks
+    dq0 = dq0 * 0.7213475204444817
+    tl.store(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]).to(g0_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_m[:, None])
 
 
 @triton.jit

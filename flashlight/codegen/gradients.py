@@ -1,0 +1,129 @@
+"""Where the backward kernels write each input's gradient, decided once per region so that the
+three generated kernels and the runtime (which allocates the gradient tensors) agree.
+
+A *site* is one ``scatter`` of a load's adjoint: the row kernel's (epilogue loads), the dK/dV
+kernel's per tile (loads in the reduction bodies: biases, tables) or after its query loop (the K
+and V operands), the dQ kernel's after its key loop (the Q operands). An input whose gradient has
+exactly one site, written once per program at addresses that program alone owns and that together
+cover the tensor, is *stored*: ``tl.store`` in the input's dtype into ``empty_like(x)``, no zero
+fill, no fp32 copy. Every other gradient is accumulated with ``tl.atomic_add`` into fp32 zeros
+(GQA's shared K/V heads, broadcast biases, gathered tables, an input read in two places).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import Expr, Region, dot, free_vars, red, refs
+from ..ir.derivative import tile, vjp
+from .emit import Block, Ctx, Emitter
+from .kernel import TILE
+
+# the tile axis that tells a kernel's programs apart, per context (grid axis 0)
+PROGRAM_AXIS = {"o": "m", "q": "m", "k": "n", "v": "n"}
+
+
+@dataclass(frozen=True)
+class Site:
+    input: int
+    load: Expr
+    ctx: str            # the tile context of the scatter (see codegen.kernel.TILE)
+    kernel: str         # "rows", "dkdv" or "dq"
+    once: bool          # written once per program (after the loop), not per tile
+
+
+@dataclass
+class GradPlan:
+    """What the backward kernels compute and where they write it.
+
+    Args:
+        members: reductions with a row gradient (sums and P @ V products the output reads).
+        dots: score tiles that some member body reads (recomputed per tile).
+        accs: ``"dq"``/``"dk"``/``"dv"`` -> the Q / K / V operand expressions whose gradients
+            accumulate in registers (one accumulator per distinct expression).
+        sites: every gradient write; ``stored``: inputs written by ``tl.store`` (see module doc).
+    """
+    members: list[int]
+    dots: list[int]
+    accs: dict[str, list[Expr]]
+    sites: list[Site] = field(default_factory=list)
+    stored: frozenset[int] = frozenset()
+
+    def written(self, kernel: str | None = None) -> list[int]:
+        """Inputs whose gradient ``kernel`` (any kernel: None) writes: its ``g`` arguments."""
+        return sorted({s.input for s in self.sites if kernel is None or s.kernel == kernel})
+
+
+def loads(adjoints: dict[Expr, Expr]) -> list[Expr]:
+    return [x for x in adjoints if x.op == "load"]
+
+
+def _distinct(exprs) -> list[Expr]:
+    return list(dict.fromkeys(exprs))
+
+
+def grad_plan(region: Region) -> GradPlan:
+    """The plan of a region ``backward_support`` accepts."""
+    row_adj = vjp({region.out: tile("do")})
+    members = [j for j, rd in enumerate(region.reductions) if rd.kind != "max" and red(j) in row_adj]
+    bodies = {region.reductions[j].body: tile("db") for j in members}
+    body_adj = vjp(bodies) if bodies else {}
+    dots = sorted({i for j in members for i in refs(region.reductions[j].body, "dot")})
+    grad_dots = [i for i in dots if dot(i) in body_adj]
+    accs = {"dq": _distinct(region.dots[i].q for i in grad_dots),
+            "dk": _distinct(region.dots[i].k for i in grad_dots),
+            "dv": _distinct(region.reductions[j].v for j in members if region.reductions[j].kind == "dot")}
+    plan = GradPlan(members, dots, accs)
+    plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
+    plan.sites += [Site(x.args[0], x, "s", "dkdv", False) for x in loads(body_adj)]
+    for kind, ctx, kernel in (("dk", "k", "dkdv"), ("dv", "v", "dkdv"), ("dq", "q", "dq")):
+        for e in accs[kind]:
+            plan.sites += [Site(x.args[0], x, ctx, kernel, True) for x in loads(vjp({e: tile("g")}))]
+    by_input: dict[int, list[Site]] = {}
+    for s in plan.sites:
+        by_input.setdefault(s.input, []).append(s)
+    plan.stored = frozenset(i for i, ss in by_input.items()
+                            if len(ss) == 1 and ss[0].once and owned(ss[0].load, ss[0].ctx, region))
+    return plan
+
+
+def owned(x: Expr, ctx: str, region: Region) -> bool:
+    """Does every program of the kernel write its own part of load ``x``'s tensor, the parts
+    together covering it? Each dim is indexed by a distinct bare var of the same extent (or is a
+    size-1 dim read at 0), and the vars include every batch var and the program's tile axis (no
+    GQA sharing, no broadcast over a grid axis, no gather, no slice)."""
+    extent = {"m": region.M, "n": region.N, "dk": region.DK, "dv": region.DV,
+              **dict(zip(region.batch_vars, region.batch))}
+    seen: set[str] = set()
+    for ie, size in zip(x.args[1], region.inputs[x.args[0]].shape):
+        if ie.op == "const" and ie.args[0] == 0 and size == 1:
+            continue
+        if ie.op != "var" or ie.args[0] in seen or extent.get(ie.args[0]) != size:
+            return False
+        seen.add(ie.args[0])
+    grid = {v for v in (*region.batch_vars, PROGRAM_AXIS[ctx]) if extent[v] > 1}
+    return grid <= seen
+
+
+def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
+            stored: frozenset[int] = frozenset()) -> None:
+    """Write every load's adjoint at the load's address in its gradient tensor ``g{i}``, first
+    summed over the tile axes its index does not use (broadcast dims): ``tl.store`` in the
+    gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32."""
+    rows, cols, shape = TILE[ctx.name]
+    for x, g in adjoints.items():
+        if x.op != "load":
+            continue
+        val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
+        used = set().union(*(free_vars(i) for i in x.args[1]))
+        if rows not in used and cols not in used:
+            val = f"tl.sum(tl.sum({val}, 1), 0)"
+        elif rows not in used:
+            val = f"tl.sum({val}, 0, keep_dims=True)"
+        elif cols not in used:
+            val = f"tl.sum({val}, 1, keep_dims=True)"
+        ptr, mask = em.address(x, ctx, block, "g")
+        mask = f", mask={mask}" if mask else ""
+        if x.args[0] in stored:
+            block.lines.append(f"tl.store({ptr}, {val}.to(g{x.args[0]}_ptr.dtype.element_ty){mask})")
+        else:
+            block.lines.append(f"tl.atomic_add({ptr}, {val}{mask})")

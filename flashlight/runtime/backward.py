@@ -1,0 +1,92 @@
+"""The generated backward at run time (``codegen/backward.py``): the gradient tensors and the
+three launches — row gradients, then the dK/dV kernel over key blocks, then the dQ kernel over
+query blocks. The two tile kernels take independent configs (``CompiledRegion.backward`` picks,
+tunes and shrinks them separately).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen.backward import KernelStats
+from ..codegen.gradients import GradPlan
+from ..ir import Region
+from ..tune import Config, cdiv, head_block, pow2
+
+
+@dataclass
+class BackwardKernels:
+    region: Region
+    plan: GradPlan
+    stats: KernelStats
+    rows: object          # the @triton.jit functions
+    dkdv: object
+    dq: object
+
+    def buffers(self, inputs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """What the kernels write each gradient into: ``empty_like(x)`` where one program owns
+        each address (a store in x's dtype, ``plan.stored``), fp32 zeros for atomic adds
+        (``zeros_like(x)`` itself when x is fp32: no copy afterwards)."""
+        bufs = {}
+        for i in self.plan.written():
+            x = inputs[i]
+            if i in self.plan.stored:
+                bufs[i] = torch.empty_like(x)
+            elif x.dtype == torch.float32:
+                bufs[i] = torch.zeros_like(x)
+            else:
+                bufs[i] = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return bufs
+
+    @staticmethod
+    def results(inputs: list[torch.Tensor], bufs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Each gradient in its input's dtype and layout (what the fake implementation promises)."""
+        out = []
+        for i, x in enumerate(inputs):
+            g = bufs.get(i)
+            if g is None:
+                out.append(torch.zeros_like(x))
+            elif g.dtype == x.dtype and g.stride() == x.stride():
+                out.append(g)
+            else:
+                out.append(torch.empty_like(x).copy_(g))
+        return out
+
+    def common(self, inputs, bufs, kernel: str, rowstats, drow) -> list:
+        r, args = self.region, []
+        for x in inputs:
+            args += [x, *x.stride()]
+        for i in self.plan.written(kernel):
+            args += [bufs[i], *bufs[i].stride()]
+        return args + [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1]]
+
+    def launch_rows(self, inputs, rowstats, grad, bufs, cfg: Config) -> torch.Tensor:
+        """dL/dr_j into a tensor laid out like the row statistics (only the columns the tile
+        kernels read are written, so it needs no zero fill)."""
+        r = self.region
+        drow = torch.empty_like(rowstats)
+        args = self.common(inputs, bufs, "rows", rowstats, drow)
+        args = args[:-4] + [grad, *grad.stride()] + args[-4:] + [*r.batch, r.M]
+        self.rows[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
+            *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
+        return drow
+
+    def launch_dkdv(self, inputs, rowstats, drow, bufs, cfg: Config) -> None:
+        from .op import block_stat_args
+        r = self.region
+        args = self.common(inputs, bufs, "dkdv", rowstats, drow)
+        args += block_stat_args(self.stats.dkdv, inputs, cfg) + [*r.batch, r.M, r.N]
+        self.dkdv[(cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))](
+            *args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)),
+            BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+
+    def launch_dq(self, inputs, rowstats, drow, bufs, cfg: Config) -> None:
+        from .op import block_stat_args, launch_meta
+        r = self.region
+        args = self.common(inputs, bufs, "dq", rowstats, drow)
+        args += block_stat_args(self.stats.dq, inputs, cfg) + [*r.batch, r.M, r.N]
+        meta = launch_meta(r, cfg)
+        del meta["STATS"]       # (a forward-only constexpr)
+        self.dq[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](*args, **meta)
