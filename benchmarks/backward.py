@@ -29,7 +29,7 @@ from . import flex_equivalents as fe
 from .smoke import NAN, Notes, configure_dynamo, make_bench, to_fp32
 
 COLUMNS = ["variant", "backward", "gerr_flashlight", "gerr_flex", "ms_fwd_flashlight", "ms_fwd_flex",
-           "ms_step_flashlight", "ms_step_flex", "xflex_step", "notes"]
+           "ms_step_flashlight", "ms_step_flex", "xflex_step", "configs", "notes"]
 
 
 def parse_args(argv=None):
@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--tune", action="store_true",
+                   help="autotune every kernel (as mode='max-autotune') and report the configs chosen")
     return p.parse_args(argv)
 
 
@@ -89,6 +91,9 @@ def run_variant(name: str, args, bench) -> dict:
         row["ms_fwd_flex"] = notes.attempt("fwd flex", lambda: bench(run))
         row["ms_step_flex"] = notes.attempt("step flex", lambda: bench(lambda: step(run, qkv, dout)))
     row["xflex_step"] = row["ms_step_flex"] / row["ms_step_flashlight"]
+    row["configs"] = " ".join(f"{'/'.join(map(str, k)) if isinstance(k, tuple) else k}={c.BLOCK_M}x{c.BLOCK_N}w{c.num_warps}s{c.num_stages}"
+                              for key, reg in REGISTRY.items() if reg.bwd_launches > before.get(key, 0)
+                              for k, c in reg.tuned.items())
     row["notes"] = str(notes)
     return row
 
@@ -97,6 +102,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     configure_dynamo()
+    if args.tune:
+        os.environ["FLASHLIGHT_AUTOTUNE"] = "1"
     torch.set_float32_matmul_precision("highest")
     bench = make_bench(args.device, args.warmup, args.rep)
     out_dir = os.environ.get("OUT") or args.out
@@ -110,7 +117,7 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"{name:16s} {r['backward']:10s} gerr fl {r['gerr_flashlight']:.1e} flex {r['gerr_flex']:.1e}  "
               f"fwd {r['ms_fwd_flashlight']:.3f}/{r['ms_fwd_flex']:.3f}  fwd+bwd {r['ms_step_flashlight']:.3f}/"
-              f"{r['ms_step_flex']:.3f} ms  x{r['xflex_step']:.2f}  {r['notes'][:200]}", flush=True)
+              f"{r['ms_step_flex']:.3f} ms  x{r['xflex_step']:.2f}  {r['configs']}  {r['notes'][:200]}", flush=True)
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()

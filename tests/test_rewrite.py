@@ -1,9 +1,11 @@
 """Rewrite rules on the IR: each rule fires where its algebra holds, and declines elsewhere."""
 import torch
 
-from flashlight.ir import Reduction, call, const, dot, red, var
+from flashlight.ir import Reduction, call, const, dot, red, var, walk
 from flashlight.ir.evaluate import evaluate
-from flashlight.rewrite import factor_rows, make_online, rewrite, scales, split_offsets
+from flashlight.ir.expr import load
+from flashlight.ir.region import Input
+from flashlight.rewrite import base2, factor_rows, make_online, rewrite, scales, split_offsets
 from test_ir import softmax_region
 
 n = var("n")
@@ -135,3 +137,59 @@ def test_entropy_offset_is_split_against_the_normaliser():
     assert rewrite(r).passes() == [[0, 1, 2, 3]]
     r.reductions[3] = Reduction("sum", call("mul", call("exp", s), call("sub", s, c)))
     assert split_offsets(r) is None          # sum(exp(s)) is not a reduction of the region
+
+
+def _masked_softmax(fill, bias=None, keep="le"):
+    """softmax(where(n <= m, 0.5 s (+ bias), fill)) @ v, as capture builds it (``keep="lt"``:
+    row 0 sees no key)."""
+    r = softmax_region()
+    s = call("mul", dot(0), const(0.5))
+    if bias is not None:
+        s = call("add", s, bias)
+    s = call("where", call(keep, n, var("m")), s, const(fill))
+    r.reductions[0] = Reduction("max", s)
+    r.reductions[1] = Reduction("sum", call("exp", call("sub", s, red(0))))
+    r.reductions[2] = Reduction("dot", call("exp", call("sub", s, red(0))), r.reductions[2].v)
+    return r
+
+
+def test_base2_folds_log2e_into_the_scale_and_the_fill():
+    """max(0.5 s) in log2 units is max(0.5 log2(e) s): one multiply, as before the rule; the sums
+    read exp2 of the same tile, the -inf fill stays -inf, and the values do not change."""
+    from flashlight.rewrite import LOG2E
+    r = rewrite(_masked_softmax(float("-inf")))
+    mx = r.reductions[0]
+    assert mx.base2 and mx.body == call("where", call("le", n, var("m")), call("mul", dot(0), const(0.5 * LOG2E)),
+                                        const(float("-inf")))
+    assert r.reductions[1].body == call("exp2", call("sub", mx.body, red(0)))
+    assert [x.online for x in r.reductions] == [None, 0, 0] and r.passes() == [[0, 1, 2]]
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    assert torch.allclose(evaluate(r, [q, k, v]), evaluate(_masked_softmax(float("-inf")), [q, k, v]), atol=1e-6)
+
+
+def test_base2_keeps_a_finite_fill_finite_and_rows_it_fills_uniform():
+    """finfo.min * log2(e) overflows float32: the folded fill clamps to -finfo.max, so a row
+    whose every key is filled still averages V (eager's result for a finite fill)."""
+    fill = torch.finfo(torch.float32).min
+    r = rewrite(_masked_softmax(fill, keep="lt"))
+    assert r.reductions[0].base2
+    assert const(-3.4028234663852886e38) in list(walk(r.reductions[0].body))
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    got = evaluate(r, [q, k, v])
+    assert torch.allclose(got[:, 0], v.mean(1), atol=1e-6)          # row 0: every key filled
+    assert torch.allclose(got, evaluate(_masked_softmax(fill, keep="lt"), [q, k, v]), atol=1e-6)
+
+
+def test_base2_declines_where_folding_would_add_a_multiply():
+    """An additive bias tensor (e.g. an HF-style finfo.min padding mask) has no constant factor
+    to fold into: scaling it would add a multiply per score and could overflow it to -inf."""
+    bias = load(3, (var("b0"), n), "f")
+    r = _masked_softmax(float("-inf"), bias=bias)
+    r.inputs.append(Input("bias", (2, 7), torch.float32))
+    assert base2(rewrite_online_only(r)) is None
+
+
+def rewrite_online_only(r):
+    while (nxt := make_online(r)) is not None:
+        r = nxt
+    return r
