@@ -35,7 +35,7 @@ from ..ir.region import rowstat_columns
 from ..sparsity import BlockStat, IntervalWriter, dead_predicate, full_body, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
-from .kernel import (CTX_K, CTX_O, CTX_Q, CTX_S, CTX_V, TL_DTYPE, KernelWriter, batch_index, full_tile, key_block,
+from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, key_block,
                      short_expr)
 
 
@@ -175,6 +175,11 @@ class TileWriter(KernelWriter):
     """What the two tile kernels share: on one (M block, N block) tile, recompute the score tiles
     and reduction bodies from the saved row statistics and reverse the bodies (``vjp``)."""
     axis = ""           # the loop's axis
+    transposed = False  # score tiles as [N, M] (the dK/dV kernel): row values are [1, BLOCK_M]
+
+    @property
+    def ctx_s(self) -> Ctx:
+        return CTX_ST if self.transposed else CTX_S
 
     def __init__(self, region: Region, plan: GradPlan, name: str, allow_tf32: bool = False,
                  interpret: bool = False, sparse: bool = True):
@@ -193,15 +198,16 @@ class TileWriter(KernelWriter):
         """The forward's softmax shifts (saved per row) and dL/dr_j (from the row kernel)."""
         cols, _ = rowstat_columns(self.r)
         row = "pid_b * rowstats_sb + offs_m * rowstats_sm"
+        vec = "[None, :]" if self.transposed else "[:, None]"
         block.lines.append("# the forward's softmax shifts, and dL/d(reduction) from the output expression")
         for j, rd in enumerate(self.r.reductions):
             if rd.kind == "max":
-                block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
+                block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
                 self.em.red_names[j] = f"r{j}_s"
             elif j not in self.plan.members:
                 continue
             elif rd.kind == "sum":
-                block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0)[:, None]")
+                block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
             else:
                 block.lines.append(f"dr{j} = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
                                    f" + {cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
@@ -209,7 +215,8 @@ class TileWriter(KernelWriter):
     def accumulators(self) -> None:
         """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
         P @ V products share one dV), zero before the loop."""
-        shapes = {"dq": "[BLOCK_M, BLOCK_DK]", "dk": "[BLOCK_DK, BLOCK_N]", "dv": "[BLOCK_N, BLOCK_DV]"}
+        shapes = {"dq": "[BLOCK_M, BLOCK_DK]", "dk": "[BLOCK_N, BLOCK_DK]" if self.transposed else "[BLOCK_DK, BLOCK_N]",
+                  "dv": "[BLOCK_N, BLOCK_DV]"}
         for kind in self.kinds:
             for e in self.plan.accs[kind]:
                 name = self.accs.setdefault(kind, {}).setdefault(e, f"{kind}{len(self.accs[kind])}")
@@ -219,13 +226,19 @@ class TileWriter(KernelWriter):
         """Recompute the score tiles and bodies of one tile and reverse them: the adjoints of the
         leaves (score tiles, loads) and each score tile's tl.dot operands. ``full``: a block the
         sparsity scan proved inside every mask (mask-free bodies, as the forward's)."""
-        r, em = self.r, self.em
-        loop.lines += ["mask_mn = mask_m[:, None] & mask_n[None, :]", "# recompute the score tiles"]
+        r, em, ctx = self.r, self.em, self.ctx_s
+        loop.lines += ["mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile" if self.transposed else
+                       "mask_mn = mask_m[:, None] & mask_n[None, :]", "# recompute the score tiles"]
         em.dot_names, operands = {}, {}
         for i in self.plan.dots:
-            q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
-            k, kdt = self.dot_operand(r.dots[i].k, CTX_K, loop)
-            loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
+            if self.transposed:     # S^T = K Q^T from K [N, DK] and Q^T [DK, M], both as loaded
+                q, qdt = self.dot_operand(r.dots[i].q, CTX_QT, loop)
+                k, kdt = self.dot_operand(r.dots[i].k, CTX_KN, loop)
+                loop.lines.append(f"qk{i} = {self.tl_dot(k, q, qdt)}")
+            else:
+                q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
+                k, kdt = self.dot_operand(r.dots[i].k, CTX_K, loop)
+                loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
             em.dot_names[i], operands[i] = f"qk{i}", (q, qdt, k, kdt)
         loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
         for j in self.plan.members:
@@ -236,12 +249,14 @@ class TileWriter(KernelWriter):
             else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j
                 v, vdt = self.dot_operand(rd.v, CTX_V, loop)
                 dr = self.cast(f"dr{j}", vdt)
-                loop.lines.append(f"db{j} = tl.where(mask_mn, {self.tl_dot(dr, f'tl.trans({v})', vdt)}, 0.0)")
+                dp = self.tl_dot(v, f"tl.trans({dr})", vdt) if self.transposed else self.tl_dot(dr, f"tl.trans({v})", vdt)
+                loop.lines.append(f"db{j} = tl.where(mask_mn, {dp}, 0.0)")
                 if "dv" in self.kinds:
-                    p = full_tile(em.emit(body, CTX_S, loop), body, CTX_S, r)
+                    p = full_tile(em.emit(body, ctx, loop), body, ctx, r)
                     acc = self.accs["dv"][rd.v]
+                    pt = f"p{j}" if self.transposed else f"tl.trans(p{j})"
                     loop.lines += [f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}",
-                                   f"{acc} = {self.tl_dot(f'tl.trans(p{j})', dr, vdt, acc=acc)}"]
+                                   f"{acc} = {self.tl_dot(pt, dr, vdt, acc=acc)}"]
         return vjp(self.seeds(full)), operands
 
     def seeds(self, full: bool) -> dict[Expr, Expr]:
@@ -286,9 +301,12 @@ class TileWriter(KernelWriter):
                 ds = ds.args[0]         # its constant factor is applied after the loop
             # out-of-range keys can score exp(+large) when the shift is a finite fill (-1e9): 0 * inf
             # there would reach dQ through K's zero padding (fuzz seed 21, #195)
-            loop.lines.append(f"ds{i} = tl.where(mask_mn, tl.broadcast_to({self.em.emit(ds, CTX_S, loop)}, "
-                              "[BLOCK_M, BLOCK_N]), 0.0)")
-            if "dk" in self.kinds:
+            loop.lines.append(f"ds{i} = tl.where(mask_mn, tl.broadcast_to({self.em.emit(ds, self.ctx_s, loop)}, "
+                              f"{TILE[self.ctx_s.name][2]}), 0.0)")
+            if "dk" in self.kinds and self.transposed:     # dK [N, DK] += dS^T [N, M] @ Q [M, DK]
+                acc = self.accs["dk"][self.r.dots[i].k]
+                loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', qdt), f'tl.trans({q})', qdt, acc=acc)}")
+            elif "dk" in self.kinds:
                 acc = self.accs["dk"][self.r.dots[i].k]
                 loop.lines.append(f"{acc} = {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt, acc=acc)}")
             else:
@@ -316,7 +334,7 @@ class DKDVWriter(TileWriter):
     """FA2's first backward kernel: one program per (key block, batch index) loops over the live
     query blocks; dK and dV stay in registers, the loads of the bodies (biases, tables) get their
     gradients scattered per tile."""
-    axis, kinds = "m", ("dk", "dv")
+    axis, kinds, transposed = "m", ("dk", "dv"), True
 
     def query_loop(self) -> list[str]:
         """The loop over query blocks. With a useful mask it runs over [first live, last live]
@@ -327,7 +345,7 @@ class DKDVWriter(TileWriter):
         self.row_values(loop)
         adjoints, operands = self.tile_adjoints(loop, full=False)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
-        scatter(self.em, adjoints, CTX_S, loop, self.plan.stored)  # (the reductions read are constant shifts)
+        scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored)  # (the reductions read are constant shifts)
         self.score_grads(loop, adjoints, operands)
         dead = dead_predicate(self.r, self.r.passes()[0])
         bounds = "0, M, BLOCK_M"
@@ -368,7 +386,7 @@ class DKDVWriter(TileWriter):
         self.accumulators()
         self.outer.lines += self.query_loop()
         self.outer.lines.append("# gradients of the K and V operands, accumulated over all query blocks")
-        self.write_grads("dk", CTX_K)
+        self.write_grads("dk", CTX_KN)
         self.write_grads("dv", CTX_V)
         return self.assemble()
 

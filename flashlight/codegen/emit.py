@@ -222,6 +222,8 @@ class Emitter:
         seed, row, col = (f"tl.full([1, 1], {a.args[0]}, tl.int64)" if a.op == "const"
                           else self._lookup(a, ctx, block) for a in x.args)
         if ctx.key_start is not None and x.args[2] == var("n") and "n" not in free_vars(x.args[1]):
+            if ctx.name == "st":      # the transposed score tile: draw [M, N], then transpose
+                return f"tl.trans(fl_rand16_block({seed}, tl.trans({row}), {ctx.key_start}, BLOCK_M, BLOCK_N))"
             return f"fl_rand16_block({seed}, {row}, {ctx.key_start}, BLOCK_M, BLOCK_N)"
         return TRITON["rand16"].format(seed, row, col)
 

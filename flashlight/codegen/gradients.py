@@ -19,7 +19,7 @@ from .emit import Block, Ctx, Emitter
 from .kernel import TILE
 
 # the tile axis that tells a kernel's programs apart, per context (grid axis 0)
-PROGRAM_AXIS = {"o": "m", "q": "m", "k": "n", "v": "n"}
+PROGRAM_AXIS = {"o": "m", "q": "m", "k": "n", "kn": "n", "v": "n"}
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,15 @@ CTX_K = _ctx("k", ("dk", "offs_dk"), ("n", "offs_n"))       # K is loaded transp
 CTX_S = _ctx("s", ("m", "offs_m"), ("n", "offs_n"), key_start="start_n")   # offs_n = start_n + arange
 CTX_V = _ctx("v", ("n", "offs_n"), ("dv", "offs_dv"))
 CTX_O = _ctx("o", ("m", "offs_m"), ("dv", "offs_dv"))
+# the backward's dK/dV kernel works on transposed tiles (S^T = K Q^T: [N, M]) so that P^T and
+# dS^T, computed in registers, are the left operands of its dots (no register transposes)
+CTX_ST = _ctx("st", ("n", "offs_n"), ("m", "offs_m"), key_start="start_n")
+CTX_KN = _ctx("kn", ("n", "offs_n"), ("dk", "offs_dk"))
+CTX_QT = _ctx("qt", ("dk", "offs_dk"), ("m", "offs_m"))
 TILE = {"q": ("m", "dk", "[BLOCK_M, BLOCK_DK]"), "k": ("dk", "n", "[BLOCK_DK, BLOCK_N]"),
         "s": ("m", "n", "[BLOCK_M, BLOCK_N]"), "v": ("n", "dv", "[BLOCK_N, BLOCK_DV]"),
-        "o": ("m", "dv", "[BLOCK_M, BLOCK_DV]")}
+        "o": ("m", "dv", "[BLOCK_M, BLOCK_DV]"), "st": ("n", "m", "[BLOCK_N, BLOCK_M]"),
+        "kn": ("n", "dk", "[BLOCK_N, BLOCK_DK]"), "qt": ("dk", "m", "[BLOCK_DK, BLOCK_M]")}
 
 
 def full_tile(val: str, e: Expr, ctx: Ctx, region: Region) -> str:
