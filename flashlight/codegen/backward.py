@@ -32,7 +32,7 @@ import torch
 from ..ir import Expr, Region, dot, free_vars, red, refs, walk
 from ..ir.derivative import not_differentiable, tile, vjp
 from ..ir.region import rowstat_columns
-from ..sparsity import BlockStat, IntervalWriter, dead_predicate, full_body, useful
+from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, key_block,
@@ -227,8 +227,12 @@ class TileWriter(KernelWriter):
         leaves (score tiles, loads) and each score tile's tl.dot operands. ``full``: a block the
         sparsity scan proved inside every mask (mask-free bodies, as the forward's)."""
         r, em, ctx = self.r, self.em, self.ctx_s
-        loop.lines += ["mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile" if self.transposed else
-                       "mask_mn = mask_m[:, None] & mask_n[None, :]", "# recompute the score tiles"]
+        if full:        # every mask keeps the tile and rows past M are never stored: no masks
+            loop.lines.append(f"mask_mn = tl.full({TILE[ctx.name][2]}, 1, tl.int1)")
+        else:
+            loop.lines.append("mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile" if self.transposed
+                              else "mask_mn = mask_m[:, None] & mask_n[None, :]")
+        loop.lines.append("# recompute the score tiles")
         em.dot_names, operands = {}, {}
         for i in self.plan.dots:
             if self.transposed:     # S^T = K Q^T from K [N, DK] and Q^T [DK, M], both as loaded
@@ -336,33 +340,59 @@ class DKDVWriter(TileWriter):
     gradients scattered per tile."""
     axis, kinds, transposed = "m", ("dk", "dv"), True
 
-    def query_loop(self) -> list[str]:
-        """The loop over query blocks. With a useful mask it runs over [first live, last live]
-        query block of this key block only — the forward's dead predicate, interval-tested for
-        every query block at once (a skipped tile contributes exactly zero to every gradient)."""
+    def query_block(self, full: bool) -> list[str]:
+        """One query block of the dK/dV loop; ``full``: inside every mask and both bounds (no
+        masks, mask-free bodies — as the forward's middle segment)."""
         loop = Block(parent=self.outer)
-        loop.lines += ["offs_m = start_m + tl.arange(0, BLOCK_M)", "mask_m = offs_m < M"]
+        loop.lines += ["offs_m = start_m + tl.arange(0, BLOCK_M)",
+                       "mask_m = tl.full([BLOCK_M], 1, tl.int1)" if full else "mask_m = offs_m < M"]
         self.row_values(loop)
-        adjoints, operands = self.tile_adjoints(loop, full=False)
+        adjoints, operands = self.tile_adjoints(loop, full)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
         scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored)  # (the reductions read are constant shifts)
         self.score_grads(loop, adjoints, operands)
+        return loop.lines
+
+    def query_loop(self) -> list[str]:
+        """The loops over query blocks: with a useful mask only [first live, last live] query
+        block of this key block — the forward's dead predicate, interval-tested for every query
+        block at once (a skipped tile contributes exactly zero to every gradient) — as masked
+        head / mask-free middle / masked tail; without one, full blocks then the ragged tail.
+        Blocks are mask-free only in a complete key block."""
         dead = dead_predicate(self.r, self.r.passes()[0])
-        bounds = "0, M, BLOCK_M"
-        if self.sparse and useful(dead):
+        keep = full_predicate([self.r.reductions[j].body for j in self.plan.members])
+        f = self.em.fresh
+        lo, hi, f0, f1 = f("lo"), f("hi"), f("f"), f("f")
+        n_whole = "(n_hi - n_lo == BLOCK_N - 1)"
+        if not (self.sparse and useful(dead)):
+            whole = f"tl.where({n_whole}, M // BLOCK_M, 0)" if keep == TRUE else "0"
+            self.outer.lines += [f"{lo} = 0", f"{f0} = 0", f"{f1} = {whole}", f"{hi} = tl.cdiv(M, BLOCK_M)"]
+        else:
             scan = ["pid_m = tl.arange(0, SCAN_BLOCKS)     # every query block, as a vector",
                     "mblk_valid = pid_m < tl.cdiv(M, BLOCK_M)",
                     "m_lo = pid_m * BLOCK_M",
                     "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1"]
             iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh, {"m": "mblk_valid", "n": "blk_valid"})
             live = iw.live(dead)
-            lo, hi = self.em.fresh("lo"), self.em.fresh("hi")
+            _, may_f = iw.truth(keep)
+            ff, fe = f("ff"), f("fe")
+            full_v = (f"({may_f} == 0) & mblk_live & (m_hi - m_lo == BLOCK_M - 1) & {n_whole}"
+                      if may_f != "True" else "pid_m < 0")
             self.outer.lines += [f"# block sparsity: visit only query blocks where not {short_expr(dead)}", *scan,
                                  f"mblk_live = ({live}) & mblk_valid & blk_valid",
+                                 f"mblk_full = {full_v}",
                                  f"{lo} = tl.min(tl.where(mblk_live, pid_m, SCAN_BLOCKS), 0)",
-                                 f"{hi} = tl.max(tl.where(mblk_live, pid_m, -1), 0) + 1"]
-            bounds = f"{lo} * BLOCK_M, {hi} * BLOCK_M, BLOCK_M"
-        return [f"for start_m in range({bounds}):"] + ["    " + x for x in loop.lines]
+                                 f"{hi} = tl.max(tl.where(mblk_live, pid_m, -1), 0) + 1",
+                                 f"{ff} = tl.min(tl.where(mblk_full, pid_m, SCAN_BLOCKS), 0)",
+                                 f"{fe} = tl.min(tl.where((mblk_full == 0) & (pid_m > {ff}), pid_m, SCAN_BLOCKS), 0)",
+                                 f"{f0} = tl.minimum(tl.maximum({ff}, {lo}), {hi})",
+                                 f"{f1} = tl.minimum(tl.maximum({fe}, {f0}), {hi})"]
+        lines = []
+        for a, b, full in ((lo, f0, False), (f0, f1, True), (f1, hi, False)):
+            lines.append(f"for start_m in range({a} * BLOCK_M, {b} * BLOCK_M, BLOCK_M):"
+                         + ("  # full blocks: no masks" if full else ""))
+            lines += ["    " + x for x in self.query_block(full)]
+        return lines
 
     def signature(self) -> list[str]:
         return self.common_args("dkdv") + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",

@@ -77,9 +77,13 @@ def fl_bwd_snapshot(
     blk_valid = n_lo < N
     dk0 = tl.zeros([BLOCK_N, BLOCK_DK], dtype=tl.float32)
     dv0 = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[:, None] * in1_s1 + offs_dk[None, :] * in1_s2, mask=mask_dk[None, :] & mask_n[:, None], other=0)
-    ld3 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-    for start_m in range(0, M, BLOCK_M):
+    lo1 = 0
+    f3 = 0
+    f4 = tl.where((n_hi - n_lo == BLOCK_N - 1), M // BLOCK_M, 0)
+    hi2 = tl.cdiv(M, BLOCK_M)
+    ld6 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[:, None] * in1_s1 + offs_dk[None, :] * in1_s2, mask=mask_dk[None, :] & mask_n[:, None], other=0)
+    ld7 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+    for start_m in range(lo1 * BLOCK_M, f3 * BLOCK_M, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
@@ -88,22 +92,72 @@ def fl_bwd_snapshot(
         dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
         # recompute the score tiles
-        ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld2, ld1, input_precision="ieee")
+        ld5 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld6, ld5, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        db2 = tl.where(mask_mn, tl.dot(ld3, tl.trans(dr2), input_precision="ieee"), 0.0)
-        t4 = (qk0 * (0.7213475204444817))
-        t5 = (t4 - r0_s)
-        t6 = (tl.exp2(t5))
-        p2 = tl.where(mask_mn, t6, 0.0)
+        db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
+        t8 = (qk0 * (0.7213475204444817))
+        t9 = (t8 - r0_s)
+        t10 = (tl.exp2(t9))
+        p2 = tl.where(mask_mn, t10, 0.0)
         dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t7 = (db1 + db2)
-        t8 = (t7 * t6)
-        t9 = (t8 * (0.6931471805599453))
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_N, BLOCK_M]), 0.0)
-        dk0 = tl.dot(ds0, tl.trans(ld1), dk0, input_precision="ieee")
+        t11 = (db1 + db2)
+        t12 = (t11 * t10)
+        t13 = (t12 * (0.6931471805599453))
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t13, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld5), dk0, input_precision="ieee")
+    for start_m in range(f3 * BLOCK_M, f4 * BLOCK_M, BLOCK_M):  # full blocks: no masks
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = tl.full([BLOCK_M], 1, tl.int1)
+        # the forward's softmax shifts, and dL/d(reduction) from the output expression
+        r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[None, :]
+        dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[None, :]
+        dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+        mask_mn = tl.full([BLOCK_N, BLOCK_M], 1, tl.int1)
+        # recompute the score tiles
+        ld14 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld6, ld14, input_precision="ieee")
+        # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
+        db1 = tl.where(mask_mn, dr1, 0.0)
+        db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
+        t15 = (qk0 * (0.7213475204444817))
+        t16 = (t15 - r0_s)
+        t17 = (tl.exp2(t16))
+        p2 = tl.where(mask_mn, t17, 0.0)
+        dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
+        # reverse through the bodies: loaded biases and tables, then dS -> dK
+        t18 = (db1 + db2)
+        t19 = (t18 * t17)
+        t20 = (t19 * (0.6931471805599453))
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t20, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld14), dk0, input_precision="ieee")
+    for start_m in range(f4 * BLOCK_M, hi2 * BLOCK_M, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        # the forward's softmax shifts, and dL/d(reduction) from the output expression
+        r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[None, :]
+        dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[None, :]
+        dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+        mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
+        # recompute the score tiles
+        ld21 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld6, ld21, input_precision="ieee")
+        # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
+        db1 = tl.where(mask_mn, dr1, 0.0)
+        db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
+        t22 = (qk0 * (0.7213475204444817))
+        t23 = (t22 - r0_s)
+        t24 = (tl.exp2(t23))
+        p2 = tl.where(mask_mn, t24, 0.0)
+        dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
+        # reverse through the bodies: loaded biases and tables, then dS -> dK
+        t25 = (db1 + db2)
+        t26 = (t25 * t24)
+        t27 = (t26 * (0.6931471805599453))
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t27, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld21), dk0, input_precision="ieee")
     # gradients of the K and V operands, accumulated over all query blocks
     dk0 = dk0 * 0.7213475204444817
     tl.store(g1_ptr + b0 * g1_s0 + offs_n[:, None] * g1_s1 + offs_dk[None, :] * g1_s2, tl.broadcast_to(dk0, [BLOCK_N, BLOCK_DK]).to(g1_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_n[:, None])
@@ -174,7 +228,7 @@ def fl_bwd_snapshot_dq(
     for start_n in range(0 * BLOCK_N, N // BLOCK_N * BLOCK_N, BLOCK_N):  # full blocks: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
-        mask_mn = mask_m[:, None] & mask_n[None, :]
+        mask_mn = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)
         # recompute the score tiles
         ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
         qk0 = tl.dot(ld1, ld2, input_precision="ieee")
