@@ -27,3 +27,15 @@ def test_fp16_logits_beyond_fp16_range():
     assert not torch.isfinite(causal.attention(q, k, v)).all()      # eager overflows
     out = torch.compile(causal.attention, backend="flashlight")(q, k, v)
     assert rel_error(out, reference(causal.attention, q, k, v)) < 2e-3
+
+
+def test_float_index_arithmetic_divides_exactly():
+    """Chunks spelled with float division (``(arange(M) / 41).floor()``): the kernel may multiply
+    scores by a reciprocal, never index arithmetic — floor(41 * fl32(1/41)) is 0, not 1."""
+    def chunked(q, k, v):
+        cq = (torch.arange(q.shape[-2]) / 41).floor()
+        ck = (torch.arange(k.shape[-2]) / 41).floor()
+        s = (q @ k.mT * 0.25).masked_fill(cq[:, None] != ck[None, :], float("-inf"))
+        return torch.softmax(s, -1) @ v
+    q, k, v = (torch.randn(1, 1, 96, 16) for _ in range(3))
+    check_fused(chunked, q, k, v)

@@ -193,3 +193,17 @@ def rewrite_online_only(r):
     while (nxt := make_online(r)) is not None:
         r = nxt
     return r
+
+
+def test_base2_declines_when_the_output_reads_an_unfoldable_shift():
+    """exp(t - m) in the output with a loaded t: the rule must decline, not build a broken IR."""
+    r = softmax_region()
+    r.inputs.append(Input("t", (2, 5), torch.float32))
+    t = load(3, (var("b0"), var("m")), "f")
+    r.out = call("mul", call("div_safe", red(2), red(1)), call("exp", call("sub", t, red(0))))
+    r = rewrite(r)
+    assert not r.reductions[0].base2
+    q, k, v, tt = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4), torch.randn(2, 5)
+    s = q @ k.mT * 0.5
+    ref = (torch.softmax(s, -1) @ v) * torch.exp(tt - s.amax(-1))[..., None]
+    assert torch.allclose(evaluate(r, [q, k, v, tt]), ref, atol=1e-5)

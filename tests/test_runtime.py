@@ -269,3 +269,21 @@ def test_graphs_without_gradients_store_no_row_statistics(monkeypatch):
     assert leaves[0].grad is not None and leaves[0].grad.abs().sum() > 0
     report = flashlight.explain(causal.attention, q, k, v)
     assert "if STATS:" in report.regions[0].kernel_source
+
+
+def test_enable_grad_inside_a_no_grad_compile():
+    """A graph compiled under no_grad that turns grad back on inside needs the differentiable op
+    (the backend reads grad mode at compile time; the graph's own switch overrides it)."""
+    def f(q, k, v):
+        with torch.enable_grad():
+            return torch.softmax((q * 1.0) @ k.mT * 0.25, -1) @ v
+    q, k, v = (torch.randn(2, 32, 16) for _ in range(3))
+    q.requires_grad_(True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(f, backend="flashlight")(q, k, v)
+    assert out.requires_grad
+    out.sum().backward()
+    q64 = q.detach().double().requires_grad_()
+    f(q64, k.double(), v.double()).sum().backward()
+    assert rel_error(q.grad, q64.grad) < 1e-3

@@ -96,6 +96,18 @@ def prelude(source: str) -> str:
     return f"import triton\nimport triton.language as tl\n{helpers}\n\n"
 
 
+def reciprocal_ok(x: Expr) -> bool:
+    """May ``div(a, c)`` for a constant c run as ``a * (1 / c)``? Exactly so for a power of two;
+    within an ulp otherwise, which is fine for scores (they are rounded anyway) but not for index
+    arithmetic spelled in floats: floor(41 * fl32(1/41)) = 0."""
+    c = x.args[1].args[0] if x.args[1].op == "const" else None
+    if not isinstance(c, (int, float)) or isinstance(c, bool) or c == 0 or not math.isfinite(c):
+        return False
+    if abs(1.0 / c) > 3.4028234663852886e38:
+        return False
+    return math.frexp(abs(c))[0] == 0.5 or bool(refs(x.args[0], "dot"))
+
+
 def const_str(e: Expr) -> str:
     v = e.args[0]
     if isinstance(v, float) and math.isinf(v):
@@ -208,11 +220,10 @@ class Emitter:
             raise CodegenError(f"no Triton lowering for op {x.op}")
         as_float = x.op in FLOAT_OPERANDS
         args = [self._arg(a, ctx, block, as_float) for a in x.args]
-        divisor = x.args[1].args[0] if x.op == "div" and x.args[1].op == "const" else None
-        if isinstance(divisor, (int, float)) and divisor != 0 and math.isfinite(divisor):
-            # a multiply by the reciprocal (<= 1 ulp from the quotient): an fp32 division is a
-            # multi-instruction sequence per element, and scores / sqrt(d) divides every score
-            return f"({args[0]} * {1.0 / divisor!r})"
+        if x.op == "div" and reciprocal_ok(x):
+            # a multiply by the reciprocal: an fp32 division is a multi-instruction sequence per
+            # element, and scores / sqrt(d) divides every score
+            return f"({args[0]} * {1.0 / x.args[1].args[0]!r})"
         return "(" + TRITON[x.op].format(*args) + ")"
 
     def rand16(self, x: Expr, ctx: Ctx, block: Block) -> str:

@@ -230,7 +230,8 @@ def _scaled_const(c: float) -> Expr:
 
 def _fold_mul(e: Expr) -> Expr | None:
     for x, c in (e.args, e.args[::-1]):
-        if c.op == "const" and c.kind == "f" and (abs(c.args[0] * LOG2E) <= 1 or x.op in BOUNDED):
+        if c.op == "const" and c.kind == "f" and (abs(c.args[0] * LOG2E) <= 1 or
+                                                  (x.op in BOUNDED and abs(c.args[0] * LOG2E) <= FLT_MAX)):
             return call("mul", x, const(c.args[0] * LOG2E))
     return None
 
@@ -290,17 +291,20 @@ def _to_base2(e: Expr, j: int) -> Expr:
 
 
 def base2(region: Region) -> Region | None:
-    """A running max whose body and every exp(x - max) argument fold log2(e) goes to log2 units
-    (a sink element, one per row, may take a multiply)."""
+    """A running max whose body, extra element and every exp(x - max) argument (in any reduction,
+    the output or a row output) fold log2(e) goes to log2 units."""
     for j, r in enumerate(region.reductions):
         members = [o for o in region.reductions if o.online == j]
         if r.kind != "max" or r.base2 or not members or fold_log2e(r.body) is None:
             continue
+        if r.extra is not None and fold_log2e(r.extra) is None:
+            continue
         readers = [e for o in region.reductions for e in (o.body, o.extra) if e is not None]
+        readers += [region.out] + [x.expr for x in region.rows]
         if any(fold_log2e(x) is None for e in readers for x in _shifts(e, j)):
             continue
         conv = lambda e: _to_base2(e, j) if e is not None else None      # noqa: E731
-        extra = None if r.extra is None else fold_log2e(r.extra) or call("mul", r.extra, const(LOG2E))
+        extra = None if r.extra is None else fold_log2e(r.extra)
         reds = [replace(r, body=fold_log2e(r.body), base2=True, extra=extra) if i == j else
                 replace(o, body=conv(o.body), extra=conv(o.extra)) for i, o in enumerate(region.reductions)]
         rows = [replace(x, expr=conv(x.expr)) for x in region.rows]
