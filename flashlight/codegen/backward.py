@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..ir import Expr, Region, dot, free_vars, red, refs, walk
+from ..ir import Expr, Region, call, dot, free_vars, red, refs, walk
 from ..ir.derivative import not_differentiable, tile, vjp
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
@@ -171,6 +171,25 @@ class LoopEmitter(Emitter):
                 or (self.axis == "m" and bool(refs(e, "red"))))
 
 
+def const_factor(e: Expr) -> tuple[Expr, float]:
+    """(x, c) with e = x * c for a finite constant c, found through products and masks with a
+    zero branch: the softmax scale and base 2's ln 2 of a dS (c = 1.0: none)."""
+    if e.op == "mul":
+        for x, k in (e.args, e.args[::-1]):
+            if k.op == "const" and k.kind == "f" and math.isfinite(k.args[0]):
+                inner, c = const_factor(x)
+                return inner, c * k.args[0]
+    if e.op == "where":
+        cond, a, b = e.args
+        for live, zero, put in ((a, b, lambda x: call("where", cond, x, zero)),
+                                (b, a, lambda x: call("where", cond, zero, x))):
+            if zero.op == "const" and zero.args[0] == 0:
+                inner, c = const_factor(live)
+                if c != 1.0:
+                    return put(inner), c
+    return e, 1.0
+
+
 class TileWriter(KernelWriter):
     """What the two tile kernels share: on one (M block, N block) tile, recompute the score tiles
     and reduction bodies from the saved row statistics and reverse the bodies (``vjp``)."""
@@ -285,9 +304,8 @@ class TileWriter(KernelWriter):
                 e = adjoints.get(dot(i))
                 if e is None:
                     continue
-                c = e.args[1].args[0] if e.op == "mul" and e.args[1].op == "const" else None
-                c = c if isinstance(c, (int, float)) and math.isfinite(c) else None
-                found.setdefault(operand(i), set()).add(c)
+                _, c = const_factor(e)
+                found.setdefault(operand(i), set()).add(c if c != 1.0 else None)
         self.folded[kind] = {e: cs.pop() for e, cs in found.items() if len(cs) == 1 and None not in cs}
         return self.folded[kind]
 
@@ -302,7 +320,7 @@ class TileWriter(KernelWriter):
             q, qdt, k, kdt = operands[i]
             ds = adjoints[dot(i)]
             if (self.r.dots[i].k if kind == "dk" else self.r.dots[i].q) in folded:
-                ds = ds.args[0]         # its constant factor is applied after the loop
+                ds = const_factor(ds)[0]    # its constant factor is applied after the loop
             # out-of-range keys can score exp(+large) when the shift is a finite fill (-1e9): 0 * inf
             # there would reach dQ through K's zero padding (fuzz seed 21, #195)
             loop.lines.append(f"ds{i} = tl.where(mask_mn, tl.broadcast_to({self.em.emit(ds, self.ctx_s, loop)}, "

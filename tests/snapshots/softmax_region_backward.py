@@ -105,8 +105,7 @@ def fl_bwd_snapshot(
         # reverse through the bodies: loaded biases and tables, then dS -> dK
         t11 = (db1 + db2)
         t12 = (t11 * t10)
-        t13 = (t12 * (0.6931471805599453))
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t13, [BLOCK_N, BLOCK_M]), 0.0)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t12, [BLOCK_N, BLOCK_M]), 0.0)
         dk0 = tl.dot(ds0, tl.trans(ld5), dk0, input_precision="ieee")
     for start_m in range(f3 * BLOCK_M, f4 * BLOCK_M, BLOCK_M):  # full blocks: no masks
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -117,22 +116,21 @@ def fl_bwd_snapshot(
         dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = tl.full([BLOCK_N, BLOCK_M], 1, tl.int1)
         # recompute the score tiles
-        ld14 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld6, ld14, input_precision="ieee")
+        ld13 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld6, ld13, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
         db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
-        t15 = (qk0 * (0.7213475204444817))
-        t16 = (t15 - r0_s)
-        t17 = (tl.exp2(t16))
-        p2 = tl.where(mask_mn, t17, 0.0)
+        t14 = (qk0 * (0.7213475204444817))
+        t15 = (t14 - r0_s)
+        t16 = (tl.exp2(t15))
+        p2 = tl.where(mask_mn, t16, 0.0)
         dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t18 = (db1 + db2)
-        t19 = (t18 * t17)
-        t20 = (t19 * (0.6931471805599453))
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t20, [BLOCK_N, BLOCK_M]), 0.0)
-        dk0 = tl.dot(ds0, tl.trans(ld14), dk0, input_precision="ieee")
+        t17 = (db1 + db2)
+        t18 = (t17 * t16)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t18, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld13), dk0, input_precision="ieee")
     for start_m in range(f4 * BLOCK_M, hi2 * BLOCK_M, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
@@ -142,24 +140,23 @@ def fl_bwd_snapshot(
         dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
         # recompute the score tiles
-        ld21 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld6, ld21, input_precision="ieee")
+        ld19 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld6, ld19, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
         db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
-        t22 = (qk0 * (0.7213475204444817))
-        t23 = (t22 - r0_s)
-        t24 = (tl.exp2(t23))
-        p2 = tl.where(mask_mn, t24, 0.0)
+        t20 = (qk0 * (0.7213475204444817))
+        t21 = (t20 - r0_s)
+        t22 = (tl.exp2(t21))
+        p2 = tl.where(mask_mn, t22, 0.0)
         dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t25 = (db1 + db2)
-        t26 = (t25 * t24)
-        t27 = (t26 * (0.6931471805599453))
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t27, [BLOCK_N, BLOCK_M]), 0.0)
-        dk0 = tl.dot(ds0, tl.trans(ld21), dk0, input_precision="ieee")
+        t23 = (db1 + db2)
+        t24 = (t23 * t22)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t24, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld19), dk0, input_precision="ieee")
     # gradients of the K and V operands, accumulated over all query blocks
-    dk0 = dk0 * 0.7213475204444817
+    dk0 = dk0 * 0.5
     tl.store(g1_ptr + b0 * g1_s0 + offs_n[:, None] * g1_s1 + offs_dk[None, :] * g1_s2, tl.broadcast_to(dk0, [BLOCK_N, BLOCK_DK]).to(g1_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_n[:, None])
     tl.store(g2_ptr + b0 * g2_s0 + offs_n[:, None] * g2_s1 + offs_dv[None, :] * g2_s2, tl.broadcast_to(dv0, [BLOCK_N, BLOCK_DV]).to(g2_ptr.dtype.element_ty), mask=mask_dv[None, :] & mask_n[:, None])
 
@@ -242,8 +239,7 @@ def fl_bwd_snapshot_dq(
         t6 = (t5 - r0_s)
         t7 = (tl.exp2(t6))
         t8 = (t4 * t7)
-        t9 = (t8 * (0.6931471805599453))
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t8, [BLOCK_M, BLOCK_N]), 0.0)
         dq0 = tl.dot(ds0, tl.trans(ld2), dq0, input_precision="ieee")
     if not EVEN_N:
         for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
@@ -251,23 +247,22 @@ def fl_bwd_snapshot_dq(
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
             mask_mn = mask_m[:, None] & mask_n[None, :]
             # recompute the score tiles
-            ld10 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
-            qk0 = tl.dot(ld1, ld10, input_precision="ieee")
+            ld9 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+            qk0 = tl.dot(ld1, ld9, input_precision="ieee")
             # d body: dR (sum) or dR @ V^T (P @ V)
             db1 = tl.where(mask_mn, dr1, 0.0)
-            ld11 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld11), input_precision="ieee"), 0.0)
+            ld10 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld10), input_precision="ieee"), 0.0)
             # reverse through the bodies: dS -> dQ
-            t12 = (db1 + db2)
-            t13 = (qk0 * (0.7213475204444817))
-            t14 = (t13 - r0_s)
-            t15 = (tl.exp2(t14))
-            t16 = (t12 * t15)
-            t17 = (t16 * (0.6931471805599453))
-            ds0 = tl.where(mask_mn, tl.broadcast_to(t17, [BLOCK_M, BLOCK_N]), 0.0)
-            dq0 = tl.dot(ds0, tl.trans(ld10), dq0, input_precision="ieee")
+            t11 = (db1 + db2)
+            t12 = (qk0 * (0.7213475204444817))
+            t13 = (t12 - r0_s)
+            t14 = (tl.exp2(t13))
+            t15 = (t11 * t14)
+            ds0 = tl.where(mask_mn, tl.broadcast_to(t15, [BLOCK_M, BLOCK_N]), 0.0)
+            dq0 = tl.dot(ds0, tl.trans(ld9), dq0, input_precision="ieee")
     # gradients of the Q operands, accumulated over all key blocks
-    dq0 = dq0 * 0.7213475204444817
+    dq0 = dq0 * 0.5
     tl.store(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]).to(g0_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_m[:, None])
 
 
