@@ -113,11 +113,14 @@ def backward_candidates(block_d: int, kernel: str) -> list[Config]:
 
 
 def backward_heuristic(block_d: int, kernel: str, sparse: bool = False) -> Config:
-    """A backward kernel's default (not yet measured on the H200, see docs/notes.md): the first
-    candidate; dQ at D <= 64 with a mask that skips blocks takes the forward's 64 x 64 (short
-    live ranges waste wide query blocks)."""
+    """A backward kernel's default: the first candidate; dQ at D <= 64 with a mask that skips
+    blocks takes the forward's 64 x 64 (short live ranges waste wide query blocks). dK/dV at
+    D <= 64 takes 128 x 128 w8 s2, autotuning's pick for causal attention on the H200 (fwd+bwd
+    2.67 ms against 4.62 ms with 64 x 128 w8 s3; one measured variant, docs/notes.md session 3)."""
     if kernel == "dq" and sparse and block_d <= 64:
         return Config(64, 64, 4, 3)
+    if kernel == "dkdv" and block_d <= 64:
+        return Config(128, 128, 8, 2)
     return backward_candidates(block_d, kernel)[0]
 
 
