@@ -47,3 +47,9 @@ def register_backend(name: str, fn) -> None:
     from torch._dynamo import list_backends, register_backend as _register
     if name not in list_backends(exclude_tags=()):
         _register(compiler_fn=fn, name=name)
+
+
+def sets_grad_mode(node) -> bool:
+    """A Dynamo graph node that switches grad mode (``torch.enable_grad()`` inside the program)."""
+    import torch
+    return node.op == "call_function" and node.target is torch._C._set_grad_enabled

@@ -107,7 +107,7 @@ def _toposort(graph: fx.Graph) -> None:
 def needs_autograd(gm: fx.GraphModule, example_inputs) -> bool:
     """Whether the graph may be differentiated. Dynamo guards on grad mode and on each input's
     requires_grad, so a graph compiled without either is never run with them."""
-    if any(n.op == "call_function" and n.target is torch._C._set_grad_enabled for n in gm.graph.nodes):
+    if any(_compat.sets_grad_mode(n) for n in gm.graph.nodes):
         return True     # the graph switches grad mode itself (enable_grad inside no_grad)
     if not torch.is_grad_enabled():
         return False
