@@ -33,7 +33,7 @@ def make_program(rng: random.Random) -> Program:
     B, H = rng.choice([1, 2]), rng.choice([1, 2, 4])
     M = rng.choice([1, 2, 5, 13, 16, 31, 37, 64, 70])
     N = rng.choice([M, M, 3, 17, 29, 48, 61, 83])
-    D = rng.choice([8, 16, 24, 32])
+    D = rng.choice([8, 16, 24, 32, 48, 80])   # 48, 80: QK^T in power-of-two pieces
     Dv = rng.choice([D, D, 16])
     gqa = rng.choice(["none", "none", "expand", "repeat_interleave"]) if H > 1 else "none"
     Hkv = 1 if gqa != "none" else H

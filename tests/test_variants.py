@@ -44,3 +44,29 @@ def test_finite_mask_value_matches_eager_on_empty_rows():
 def test_half_precision_inputs(dtype):
     mod = VARIANTS["causal"]
     check_fused(mod.attention, *mod.make_inputs(B=1, H=2, M=40, D=16, dtype=dtype), tol=2e-2)
+
+
+@pytest.mark.parametrize("name,D", [("vanilla", 48), ("causal", 80), ("gqa", 96), ("alibi", 48),
+                                    ("document_mask", 80), ("softcap", 48)])
+def test_head_dims_that_are_not_powers_of_two_compute_no_padding(name, D):
+    """QK^T of a head dim like 80 or 96 runs as chained dots over power-of-two pieces (64 + 16,
+    64 + 32) instead of one dot padded to 128; the kernel has one dot per piece."""
+    from flashlight.codegen.kernel import dk_chunks
+    mod = VARIANTS[name]
+    _, report = check_fused(mod.attention, *mod.make_inputs(B=1, H=2, M=37, D=D))
+    src = report.regions[0].kernel_source
+    for off, width in dk_chunks(D):
+        assert f"({off} + tl.arange(0, {width}))" in src
+
+
+def test_chunked_head_dim_with_bshd_layout_other_value_dim_and_gradients():
+    """Dqk = 48 (32 + 16) with Dv = 24, strided BSHD inputs, and the backward through them."""
+    from helpers import check_grads
+    q, k = torch.randn(1, 29, 2, 48).transpose(1, 2), torch.randn(1, 41, 2, 48).transpose(1, 2)
+    v = torch.randn(1, 41, 2, 24).transpose(1, 2)
+
+    def attn(q, k, v):
+        return torch.softmax(q @ k.mT / 48 ** 0.5, -1) @ v
+    out, report = check_fused(attn, q, k, v)
+    assert "(32 + tl.arange(0, 16))" in report.regions[0].kernel_source
+    check_grads(attn, (q, k, v))

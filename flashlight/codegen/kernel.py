@@ -41,6 +41,32 @@ TILE = {"q": ("m", "dk", "[BLOCK_M, BLOCK_DK]"), "k": ("dk", "n", "[BLOCK_DK, BL
         "kn": ("n", "dk", "[BLOCK_N, BLOCK_DK]"), "qt": ("dk", "m", "[BLOCK_DK, BLOCK_M]")}
 
 
+def dk_chunks(dk: int) -> list[tuple[int, int]] | None:
+    """Power-of-two pieces (offset, width), each >= 16 (``tl.dot``'s minimum), that cover a head
+    dim exactly — 96 = 64 + 32, 80 = 64 + 16, 192 = 128 + 64 — so QK^T runs as chained dots
+    without the padding to 128 or 256; None for a power of two or a dim that is not a multiple
+    of 16 (one padded tile, as before)."""
+    if dk & (dk - 1) == 0 or dk % 16:
+        return None
+    pieces, off = [], 0
+    for bit in reversed(range(4, dk.bit_length())):
+        if dk - off >= 1 << bit:
+            pieces.append((off, 1 << bit))
+            off += 1 << bit
+    return pieces if off == dk else None
+
+
+def chunk_ctxs(off: int, width: int) -> tuple[Ctx, Ctx]:
+    """The Q ([BLOCK_M, width]) and K ([width, BLOCK_N]) contexts of a head-dim piece: dk is
+    ``off + arange(width)``, in bounds by construction (no dk mask)."""
+    dk = f"({off} + tl.arange(0, {width}))"
+    q = Ctx(f"q{off}_{width}", vars={"m": "offs_m[:, None]", "dk": f"{dk}[None, :]"}, masks={"m": "mask_m[:, None]"})
+    k = Ctx(f"k{off}_{width}", vars={"dk": f"{dk}[:, None]", "n": "offs_n[None, :]"}, masks={"n": "mask_n[None, :]"})
+    TILE.setdefault(q.name, ("m", "dk", f"[BLOCK_M, {width}]"))     # (one entry per piece, any region)
+    TILE.setdefault(k.name, ("dk", "n", f"[{width}, BLOCK_N]"))
+    return q, k
+
+
 def full_tile(val: str, e: Expr, ctx: Ctx, region: Region) -> str:
     """``val`` broadcast to its context's whole tile when ``e`` is constant along a tile axis
     (a size-1 dim folded to index 0, a row-only value): tl.dot and stores need full tiles.
@@ -157,10 +183,18 @@ class KernelWriter:
         bodies = {j: full_body(red.body) if full else red.body for j, red in reds}
         key_block(loop, full)
         em.dot_names = {}
+        chunks = dk_chunks(r.DK)
         for i in sorted(set().union(*(refs(b, "dot") for b in bodies.values()))):
-            q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
-            k, _ = self.dot_operand(r.dots[i].k, CTX_K, loop)
-            loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
+            if chunks:      # a head dim like 96: one dot per power-of-two piece, accumulated
+                for c, (off, width) in enumerate(chunks):
+                    cq, ck = chunk_ctxs(off, width)
+                    q, qdt = self.dot_operand(r.dots[i].q, cq, loop)
+                    k, _ = self.dot_operand(r.dots[i].k, ck, loop)
+                    loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt, acc=f'qk{i}' if c else None)}")
+            else:
+                q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
+                k, _ = self.dot_operand(r.dots[i].k, CTX_K, loop)
+                loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
             em.dot_names[i] = f"qk{i}"
         bound = (lambda x, _: x) if full else (lambda x, ident: f"tl.where(mask_n[None, :], {x}, {ident})")
         for j, red in reds:      # running maxima first: the others rescale by them
