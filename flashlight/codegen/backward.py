@@ -35,8 +35,8 @@ from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
-from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter, batch_index, full_tile, key_block,
-                     short_expr)
+from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
+                     batch_index, full_tile, key_block, segment_bounds, short_expr)
 
 
 def _same(ds: list[int]) -> int | None:
@@ -399,12 +399,7 @@ class DKDVWriter(TileWriter):
             self.outer.lines += [f"# block sparsity: visit only query blocks where not {short_expr(dead)}", *scan,
                                  f"mblk_live = ({live}) & mblk_valid & blk_valid",
                                  f"mblk_full = {full_v}",
-                                 f"{lo} = tl.min(tl.where(mblk_live, pid_m, SCAN_BLOCKS), 0)",
-                                 f"{hi} = tl.max(tl.where(mblk_live, pid_m, -1), 0) + 1",
-                                 f"{ff} = tl.min(tl.where(mblk_full, pid_m, SCAN_BLOCKS), 0)",
-                                 f"{fe} = tl.min(tl.where((mblk_full == 0) & (pid_m > {ff}), pid_m, SCAN_BLOCKS), 0)",
-                                 f"{f0} = tl.minimum(tl.maximum({ff}, {lo}), {hi})",
-                                 f"{f1} = tl.minimum(tl.maximum({fe}, {f0}), {hi})"]
+                                 *segment_bounds("pid_m", "mblk_live", "mblk_full", (lo, hi, ff, fe, f0, f1))]
         lines = []
         for a, b, full in ((lo, f0, False), (f0, f1, True), (f1, hi, False)):
             lines.append(f"for start_m in range({a} * BLOCK_M, {b} * BLOCK_M, BLOCK_M):"

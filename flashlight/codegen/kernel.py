@@ -67,6 +67,22 @@ def chunk_ctxs(off: int, width: int) -> tuple[Ctx, Ctx]:
     return q, k
 
 
+def segment_bounds(idx: str, live: str, full: str, names: tuple[str, ...]) -> list[str]:
+    """Lines that turn a scan's block vector ``idx`` and its live / full flags into the bounds of
+    the masked head [lo, f0), mask-free middle [f0, f1) and masked tail [f1, hi): the first run
+    of full blocks, clamped to [first live, last live] (the forward's key loop, the backward's
+    query loop)."""
+    lo, hi, ff, fe, f0, f1 = names
+    return [
+        f"{lo} = tl.min(tl.where({live}, {idx}, SCAN_BLOCKS), 0)",
+        f"{hi} = tl.max(tl.where({live}, {idx}, -1), 0) + 1",
+        f"{ff} = tl.min(tl.where({full}, {idx}, SCAN_BLOCKS), 0)",
+        f"{fe} = tl.min(tl.where(({full} == 0) & ({idx} > {ff}), {idx}, SCAN_BLOCKS), 0)",
+        f"{f0} = tl.minimum(tl.maximum({ff}, {lo}), {hi})",
+        f"{f1} = tl.minimum(tl.maximum({fe}, {f0}), {hi})",
+    ]
+
+
 def full_tile(val: str, e: Expr, ctx: Ctx, region: Region) -> str:
     """``val`` broadcast to its context's whole tile when ``e`` is constant along a tile axis
     (a size-1 dim folded to index 0, a row-only value): tl.dot and stores need full tiles.
@@ -256,12 +272,7 @@ class KernelWriter:
             *scan,
             f"blk_live = {live_v}",
             f"blk_full = {full_v}",
-            f"{lo} = tl.min(tl.where(blk_live, blk, SCAN_BLOCKS), 0)",
-            f"{hi} = tl.max(tl.where(blk_live, blk, -1), 0) + 1",
-            f"{ff} = tl.min(tl.where(blk_full, blk, SCAN_BLOCKS), 0)",
-            f"{fe} = tl.min(tl.where((blk_full == 0) & (blk > {ff}), blk, SCAN_BLOCKS), 0)",
-            f"{f0} = tl.minimum(tl.maximum({ff}, {lo}), {hi})",
-            f"{f1} = tl.minimum(tl.maximum({fe}, {f0}), {hi})",
+            *segment_bounds("blk", "blk_live", "blk_full", (lo, hi, ff, fe, f0, f1)),
         ]
         return [("", [(lo, f0, False), (f0, f1, True), (f1, hi, False)])]
 

@@ -87,6 +87,4 @@ class BackwardKernels:
         r = self.region
         args = self.common(inputs, bufs, "dq", rowstats, drow)
         args += block_stat_args(self.stats.dq, inputs, cfg) + [*r.batch, r.M, r.N]
-        meta = launch_meta(r, cfg)
-        del meta["STATS"]       # (a forward-only constexpr)
-        self.dq[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](*args, **meta)
+        self.dq[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](*args, **launch_meta(r, cfg))

@@ -268,11 +268,13 @@ def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: 
     return args + [*r.batch, r.M, r.N]
 
 
-def launch_meta(r: Region, cfg: Config, stats: bool = True) -> dict:
-    """Constexpr and launch keyword arguments of a generated kernel."""
+def launch_meta(r: Region, cfg: Config, stats: bool | None = None) -> dict:
+    """Constexpr and launch keyword arguments of a generated kernel (``stats``: the forward's
+    STATS constexpr; None for kernels without one, the backward's dQ)."""
     return dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
-                SCAN_BLOCKS=pow2(cdiv(r.N, cfg.BLOCK_N)), STATS=stats,
-                BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+                SCAN_BLOCKS=pow2(cdiv(r.N, cfg.BLOCK_N)),
+                BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(),
+                **({} if stats is None else {"STATS": stats}))
 
 
 def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> float | None:
