@@ -13,9 +13,9 @@ from flashlight.ir.evaluate import Evaluator
 from helpers import check_grads
 
 
-# Examples whose fused epilogue or sink the generated backward does not differentiate yet: their
+# Examples whose sink element the generated backward does not differentiate yet: their
 # gradients come from the reference VJP (still checked against float64 eager).
-REFERENCE_BACKWARD = {"diff_attention", "evoformer", "sinks", "sinks_sliding_window"}
+REFERENCE_BACKWARD = {"sinks", "sinks_sliding_window"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -137,6 +137,26 @@ def test_two_kernel_backward_stores_what_one_program_owns():
     assert "atomic_add" not in kernels["dq"] and "tl.store(" in kernels["dq"]
     assert kernels["dkdv"].count("atomic_add") == 2
     check_grads(gqa.attention, inputs)
+
+
+def test_product_row_gradients_are_stored_as_the_value_operand():
+    """dL/d(P @ V) = dO / l is a tl.dot operand of both tile kernels: on the GPU it is written in
+    V's bf16 (FA2 feeds dO as stored), one DV-wide column group per product in a tensor of its
+    own (rows a multiple of DV apart, 16-byte aligned), and loaded without a cast; fp32 under
+    the interpreter (its bf16 dots run in fp32) and for fp32 inputs."""
+    from flashlight.codegen.backward import dot_grads, generate_backward
+    from flashlight.runtime.op import REGISTRY
+    diff = VARIANTS["diff_attention"]
+    for dtype, interpret, want in ((torch.bfloat16, False, torch.bfloat16), (torch.bfloat16, True, torch.float32),
+                                   (torch.float32, False, torch.float32)):
+        inputs = diff.make_inputs(B=1, H=2, M=20, D=16, dtype=dtype)
+        r = REGISTRY[flashlight.explain(diff.attention, *inputs).regions[0].key].region
+        dg = dot_grads(r, interpret)
+        products = [j for j, rd in enumerate(r.reductions) if rd.kind == "dot"]
+        assert len(products) == 2 and dg.dtype == want
+        assert sorted(dg.cols[j] for j in products) == [0, r.DV] and dg.width == 2 * r.DV
+        src = generate_backward(r, "k", interpret=interpret)[0]
+        assert "ddot_ptr.dtype.element_ty" in src and not any(f"dr{j}.to(" in src for j in products)
 
 
 def test_gradients_keep_their_input_dtype_and_layout():

@@ -24,10 +24,10 @@ def test_diff_attention_is_one_kernel_with_shared_v():
 
 @pytest.mark.parametrize("mod", [diff_attention, evoformer, relative_position, post_softmax], ids=lambda m: m.__name__.rsplit(".")[-1])
 def test_gradients_reach_lambda_biases_and_tables(mod):
-    """DiffAttn and Evoformer have fused epilogues (dv-sum norm, permuted store): reference VJP;
-    the relative-position table and the post-softmax gate get the generated backward."""
-    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16),
-                generated=mod in (relative_position, post_softmax))
+    """All from the generated backward: DiffAttn's lambda and RMSNorm weight (a dv-sum in the
+    epilogue, a head-merging store), Evoformer's gate and pair bias, the relative-position table
+    and the post-softmax gate."""
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16))
 
 
 def test_post_softmax_gate_and_renormalisation_is_one_pass():

@@ -46,15 +46,15 @@ def test_layernorm_epilogue():
     q, k, v = torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D)
     _, report = check_fused(attention, q, k, v, torch.randn(D), torch.randn(D))
     assert "epilogue-norm" in report.regions[0].features
-    # a dv-sum epilogue has no generated-backward rule (backward_support): reference VJP
-    check_grads(attention, [q[..., :21, :], k[..., :30, :], v[..., :30, :], torch.randn(D), torch.randn(D)],
-                generated=False)
+    # the generated backward reverses the dv-sums in its row kernel (ir.derivative's sum_dv row)
+    check_grads(attention, [q[..., :21, :], k[..., :30, :], v[..., :30, :], torch.randn(D), torch.randn(D)])
 
 
 def test_head_dim_padding_does_not_enter_the_norm():
     """DV = 20 is padded to a 32-wide tile: padded columns must not count in the row sum."""
     q, k, v, lam, w = diff_attention.make_inputs(B=B, H=H, M=M, N=N, D=20)
     check_fused(diff_attention.attention, q, k, v, lam, w)
+    check_grads(diff_attention.attention, [q[:1, :, :19], k[:1, :, :23], v[:1, :, :23], lam, w])  # the sum's adjoint
 
 
 def test_output_used_twice_keeps_the_epilogue_outside():
@@ -82,5 +82,13 @@ def test_pointwise_after_a_reshape_stays_outside():
 
 
 def test_evoformer_gradients_through_the_permuted_store():
-    """A permuted store has no generated-backward rule (backward_support): reference VJP."""
-    check_grads(evoformer.attention, evoformer.make_inputs(B=1, H=2, M=21, D=16), generated=False)
+    """The generated backward's row kernel reads dO through the forward's permuted store index
+    (``kernel.out_offsets``), for the 5-D row-wise and column-wise Evoformer layouts."""
+    check_grads(evoformer.attention, evoformer.make_inputs(B=1, H=2, M=21, D=16))
+
+    def column_attention(q, k, v, gate):       # over the sequence dim S, per residue
+        qt, kt, vt = (x.permute(0, 2, 3, 1, 4) for x in (q, k, v))     # [B, R, H, S, C]
+        o = (torch.softmax(qt @ kt.mT * q.shape[-1] ** -0.5, -1) @ vt).permute(0, 3, 1, 2, 4)
+        return (o * torch.sigmoid(gate)).flatten(-2)
+    q, k, v, _, _, gate = evoformer.make_inputs(B=1, H=2, M=5, D=16, S=19)
+    check_grads(column_attention, [q, k, v, gate])

@@ -36,7 +36,7 @@ from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_bod
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
-                     batch_index, full_tile, key_block, segment_bounds, short_expr)
+                     batch_index, full_tile, key_block, operand_dtype, out_offsets, segment_bounds, short_expr)
 
 
 def _same(ds: list[int]) -> int | None:
@@ -79,8 +79,6 @@ def backward_support(region: Region) -> str | None:
     when the output is homogeneous of degree 0 in them the total derivative through m is zero and
     m is a constant in the backward. Bodies may read no other reduction (a row gradient of a sum
     read inside a body would need a pass over N before the tile loop)."""
-    if region.out_index is not None:
-        return "the output is stored through a permuted or reshaped index (dO would be read that way)"
     if region.rows:
         return "the region has extra row outputs (flashlight::region_rows: the reference VJP)"
     for j, r in enumerate(region.reductions):
@@ -105,11 +103,32 @@ def backward_support(region: Region) -> str | None:
     return None
 
 
-def row_gradient_kernel(region: Region, plan: GradPlan, name: str) -> str:
+class DotGrads(NamedTuple):
+    """Where the row kernel writes dL/dr_j of each P @ V product r_j: DV columns from ``cols[j]``
+    of a [*batch, M, width] tensor of type ``dtype`` — the V operands' tensor-core type (FA2 reads
+    dO as stored: a bf16 tl.dot operand loaded as is, from rows a multiple of DV apart), fp32 when
+    the products' V operands differ in type."""
+    cols: dict[int, int]
+    width: int
+    dtype: torch.dtype
+
+
+def dot_grads(region: Region, interpret: bool) -> DotGrads:
+    cols, types = {}, set()
+    for j, rd in enumerate(region.reductions):
+        if rd.kind == "dot":
+            cols[j] = len(cols) * region.DV
+            types.add(operand_dtype(rd.v, region, interpret))
+    return DotGrads(cols, max(len(cols) * region.DV, 1), types.pop() if len(types) == 1 else torch.float32)
+
+
+def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads) -> str:
     """FA2's preprocessing step, generalised: one program per (M block, batch index) reverses
     the output expression on [BLOCK_M, DV] tiles (``vjp`` of ``out`` with the adjoint dO) into
-    dL/dr_j for every reduction — stored in the layout of the row statistics, summed over dv for
-    a row value — and scatters the gradients of the inputs the epilogue reads (gates, lambda).
+    dL/dr_j for every reduction — a row value (summed over dv) in the layout of the row
+    statistics, a P @ V product's [BLOCK_M, DV] tile into ``dg`` — and scatters the gradients of
+    the inputs the epilogue reads (gates, lambda). dO is read through the forward's store index
+    (a permuted or head-merged output: ``kernel.out_offsets``).
     For ``out = acc / l`` this is dacc = dO / l and dl = -rowsum(dO * O) / l (FA2's D)."""
     em, block, nb = Emitter(), Block(), len(region.batch)
     cols, _ = rowstat_columns(region)
@@ -121,10 +140,9 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str) -> str:
         "mask_dv = offs_dv < DV",
         "mask_o = mask_m[:, None] & mask_dv[None, :]",
         "row = pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm",
-        "do = tl.load(dout_ptr + " + " + ".join([f"b{d} * dout_s{d}" for d in range(nb)]
-                                               + [f"offs_m[:, None] * dout_s{nb}", f"offs_dv[None, :] * dout_s{nb + 1}"])
-        + ", mask=mask_o, other=0.0).to(tl.float32)",
     ]
+    block.lines.append(f"do = tl.load(dout_ptr + {' + '.join(out_offsets(region, em, block, 'dout'))}, mask=mask_o, "
+                       "other=0.0).to(tl.float32)")
     for j in sorted(refs(region.out, "red")):
         reduction = region.reductions[j]
         dv = " + offs_dv[None, :]" if reduction.kind == "dot" else ""
@@ -137,13 +155,15 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str) -> str:
             continue        # a max (a constant shift), or a reduction the output does not read
         g = f"tl.where(mask_o, tl.broadcast_to({em.emit(adjoints[red(j)], CTX_O, block)}, [BLOCK_M, BLOCK_DV]), 0.0)"
         if reduction.kind == "dot":
-            block.lines.append(f"tl.store(drow_ptr + row + {cols[j]} + offs_dv[None, :], {g}, mask=mask_o)")
+            block.lines.append(f"tl.store(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + {dg.cols[j]} + "
+                               f"offs_dv[None, :], {g}.to(ddot_ptr.dtype.element_ty), mask=mask_o)")
         else:
             block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.sum({g}, 1, keep_dims=True), "
                                "mask=mask_m[:, None])")
     scatter(em, adjoints, CTX_O, block, plan.stored)
     args = tensor_args(region, "in", range(len(region.inputs))) + tensor_args(region, "g", plan.written("rows"))
-    args += ["dout_ptr", *[f"dout_s{d}" for d in range(nb + 2)], "rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm"]
+    args += ["dout_ptr", *[f"dout_s{d}" for d in range(len(region.result_shape))],
+             "rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm", "ddot_ptr", "ddot_sb", "ddot_sm"]
     args += [f"B{d}" for d in range(nb)] + ["M", "DV: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_DV: tl.constexpr"]
     sig = ",\n".join("    " + a for a in args)
     body = "\n".join("    " + line for line in block.lines)
@@ -204,6 +224,7 @@ class TileWriter(KernelWriter):
                  interpret: bool = False, sparse: bool = True):
         super().__init__(region, name, allow_tf32, interpret, sparse)
         self.plan = plan
+        self.dg = dot_grads(region, interpret)
         self.em = LoopEmitter(self.axis)
         self.accs: dict[str, dict[Expr, str]] = {}      # "dq"/"dk"/"dv" -> operand expression -> register tile
         self.folded: dict[str, dict[Expr, float]] = {}  # "dq"/"dk" -> operand expression -> scale (folded_scales)
@@ -228,8 +249,9 @@ class TileWriter(KernelWriter):
             elif rd.kind == "sum":
                 block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
             else:
-                block.lines.append(f"dr{j} = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
-                                   f" + {cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
+                block.lines.append(f"dr{j} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
+                                   f" + {self.dg.cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], "
+                                   "other=0.0)")
 
     def accumulators(self) -> None:
         """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
@@ -271,7 +293,7 @@ class TileWriter(KernelWriter):
                 loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
             else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j
                 v, vdt = self.dot_operand(rd.v, CTX_V, loop)
-                dr = self.cast(f"dr{j}", vdt)
+                dr = f"dr{j}" if self.dg.dtype == vdt else self.cast(f"dr{j}", vdt)
                 dp = self.tl_dot(v, f"tl.trans({dr})", vdt) if self.transposed else self.tl_dot(dr, f"tl.trans({v})", vdt)
                 loop.lines.append(f"db{j} = tl.where(mask_mn, {dp}, 0.0)")
                 if "dv" in self.kinds:
@@ -345,7 +367,7 @@ class TileWriter(KernelWriter):
 
     def common_args(self, kernel: str) -> list[str]:
         args = tensor_args(self.r, "in", range(len(self.r.inputs))) + tensor_args(self.r, "g", self.plan.written(kernel))
-        args += ["rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm"]
+        args += ["rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm", "ddot_ptr", "ddot_sb", "ddot_sm"]
         for k, st in enumerate(self.stats):
             args += [f"aux{k}_min", f"aux{k}_max"]
             args += [f"aux{k}_s{d}" for d in range(len(self.r.inputs[st.input].shape))]
@@ -464,9 +486,11 @@ class DQWriter(TileWriter):
 
 
 class KernelStats(NamedTuple):
-    """The per-block statistics each tile kernel's sparsity scan reads (``sparsity.BlockStat``)."""
+    """The per-block statistics each tile kernel's sparsity scan reads (``sparsity.BlockStat``),
+    and the layout of the P @ V products' row gradients."""
     dkdv: list[BlockStat]
     dq: list[BlockStat]
+    dot_grads: DotGrads
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
@@ -481,5 +505,5 @@ def generate_backward(region: Region, name: str, allow_tf32: bool = False, inter
     plan = grad_plan(region)
     kv = DKDVWriter(region, plan, name, allow_tf32, interpret, sparse)
     dq = DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
-    source = f"{kv.write()}\n\n{dq.write()}" + row_gradient_kernel(region, plan, f"{name}_rows")
-    return prelude(source) + source, KernelStats(kv.stats, dq.stats)
+    source = f"{kv.write()}\n\n{dq.write()}" + row_gradient_kernel(region, plan, f"{name}_rows", kv.dg)
+    return prelude(source) + source, KernelStats(kv.stats, dq.stats, kv.dg)

@@ -65,6 +65,9 @@ DERIVATIVE: dict[str, Callable[[Expr, Expr], tuple]] = {
     "sign": lambda y, g: (None,),
     "where": lambda y, g: (None, _where(y.args[0], g, ZERO), _where(y.args[0], ZERO, g)),
     "to_f": lambda y, g: (g,),
+    # y[m] = sum_dv x[m, dv], only in the output's [M, DV] tile, where an adjoint is per element:
+    # y broadcast along dv is used once per element, so its adjoint sums g over dv (RMSNorm's rsqrt)
+    "sum_dv": lambda y, g: (call("sum_dv", g),),
 }
 LEAVES = ("dot", "load", "red")
 

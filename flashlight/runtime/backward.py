@@ -54,37 +54,40 @@ class BackwardKernels:
                 out.append(torch.empty_like(x).copy_(g))
         return out
 
-    def common(self, inputs, bufs, kernel: str, rowstats, drow) -> list:
+    def common(self, inputs, bufs, kernel: str, rowstats, drow, ddot, dout=None) -> list:
         r, args = self.region, []
         for x in inputs:
             args += [x, *x.stride()]
         for i in self.plan.written(kernel):
             args += [bufs[i], *bufs[i].stride()]
-        return args + [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1]]
+        if dout is not None:
+            args += [dout, *dout.stride()]
+        return args + [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1], ddot, *ddot.stride()[:2]]
 
-    def launch_rows(self, inputs, rowstats, grad, bufs, cfg: Config) -> torch.Tensor:
-        """dL/dr_j into a tensor laid out like the row statistics (only the columns the tile
-        kernels read are written, so it needs no zero fill)."""
-        r = self.region
+    def launch_rows(self, inputs, rowstats, grad, bufs, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+        """dL/dr_j: of the row sums into a tensor laid out like the row statistics (only the
+        columns the tile kernels read are written, so it needs no zero fill), of the P @ V
+        products into their own [batch, M, width] tensor (``codegen.backward.DotGrads``)."""
+        r, dg = self.region, self.stats.dot_grads
         drow = torch.empty_like(rowstats)
-        args = self.common(inputs, bufs, "rows", rowstats, drow)
-        args = args[:-4] + [grad, *grad.stride()] + args[-4:] + [*r.batch, r.M]
+        ddot = torch.empty((math.prod(r.batch), r.M, dg.width), dtype=dg.dtype, device=rowstats.device)
+        args = self.common(inputs, bufs, "rows", rowstats, drow, ddot, dout=grad) + [*r.batch, r.M]
         self.rows[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
             *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
-        return drow
+        return drow, ddot
 
-    def launch_dkdv(self, inputs, rowstats, drow, bufs, cfg: Config) -> None:
+    def launch_dkdv(self, inputs, rowstats, drows, bufs, cfg: Config) -> None:
         from .op import block_stat_args
         r = self.region
-        args = self.common(inputs, bufs, "dkdv", rowstats, drow)
+        args = self.common(inputs, bufs, "dkdv", rowstats, *drows)
         args += block_stat_args(self.stats.dkdv, inputs, cfg) + [*r.batch, r.M, r.N]
         self.dkdv[(cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))](
             *args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)),
             BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
 
-    def launch_dq(self, inputs, rowstats, drow, bufs, cfg: Config) -> None:
+    def launch_dq(self, inputs, rowstats, drows, bufs, cfg: Config) -> None:
         from .op import block_stat_args, launch_meta
         r = self.region
-        args = self.common(inputs, bufs, "dq", rowstats, drow)
+        args = self.common(inputs, bufs, "dq", rowstats, *drows)
         args += block_stat_args(self.stats.dq, inputs, cfg) + [*r.batch, r.M, r.N]
         self.dq[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](*args, **launch_meta(r, cfg))

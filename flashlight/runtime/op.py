@@ -228,10 +228,10 @@ class CompiledRegion:
         cuda = inputs[0].device.type == "cuda" and not interpreting()
         rows = rows_config(head_block(self.region.DV)) if cuda else INTERPRETER
         bufs = k.buffers(inputs)
-        drow = k.launch_rows(inputs, rowstats, grad, bufs, rows)
+        drows = k.launch_rows(inputs, rowstats, grad, bufs, rows)
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
-            self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drow, bufs, cfg), kernel,
-                         tune=lambda cfg, run=launch: run(inputs, rowstats, drow, k.buffers(inputs), cfg))
+            self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drows, bufs, cfg), kernel,
+                         tune=lambda cfg, run=launch: run(inputs, rowstats, drows, k.buffers(inputs), cfg))
         self.bwd_launches += 1
         return k.results(inputs, bufs)
 

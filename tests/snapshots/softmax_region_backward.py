@@ -41,6 +41,9 @@ def fl_bwd_snapshot(
     drow_ptr,
     rowstats_sb,
     rowstats_sm,
+    ddot_ptr,
+    ddot_sb,
+    ddot_sm,
     B0,
     M,
     N,
@@ -89,7 +92,7 @@ def fl_bwd_snapshot(
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
         r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[None, :]
         dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[None, :]
-        dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+        dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
         # recompute the score tiles
         ld5 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
@@ -113,7 +116,7 @@ def fl_bwd_snapshot(
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
         r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[None, :]
         dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[None, :]
-        dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+        dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = tl.full([BLOCK_N, BLOCK_M], 1, tl.int1)
         # recompute the score tiles
         ld13 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
@@ -137,7 +140,7 @@ def fl_bwd_snapshot(
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
         r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[None, :]
         dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[None, :]
-        dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+        dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
         # recompute the score tiles
         ld19 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
@@ -183,6 +186,9 @@ def fl_bwd_snapshot_dq(
     drow_ptr,
     rowstats_sb,
     rowstats_sm,
+    ddot_ptr,
+    ddot_sb,
+    ddot_sm,
     B0,
     M,
     N,
@@ -219,7 +225,7 @@ def fl_bwd_snapshot_dq(
     # the forward's softmax shifts, and dL/d(reduction) from the output expression
     r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[:, None]
     dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[:, None]
-    dr2 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
+    dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
     dq0 = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
     ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
     for start_n in range(0 * BLOCK_N, N // BLOCK_N * BLOCK_N, BLOCK_N):  # full blocks: no masks
@@ -288,6 +294,9 @@ def fl_bwd_snapshot_rows(
     drow_ptr,
     rowstats_sb,
     rowstats_sm,
+    ddot_ptr,
+    ddot_sb,
+    ddot_sm,
     B0,
     M,
     DV: tl.constexpr,
@@ -312,4 +321,4 @@ def fl_bwd_snapshot_rows(
     t4 = (-t3)
     tl.store(drow_ptr + row + 1, tl.sum(tl.where(mask_o, tl.broadcast_to(t4, [BLOCK_M, BLOCK_DV]), 0.0), 1, keep_dims=True), mask=mask_m[:, None])
     t5 = (tl.where(r1 == 0, 0.0, do / tl.where(r1 == 0, 1.0, r1)))
-    tl.store(drow_ptr + row + 2 + offs_dv[None, :], tl.where(mask_o, tl.broadcast_to(t5, [BLOCK_M, BLOCK_DV]), 0.0), mask=mask_o)
+    tl.store(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], tl.where(mask_o, tl.broadcast_to(t5, [BLOCK_M, BLOCK_DV]), 0.0).to(ddot_ptr.dtype.element_ty), mask=mask_o)
