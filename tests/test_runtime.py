@@ -287,3 +287,57 @@ def test_enable_grad_inside_a_no_grad_compile():
     q64 = q.detach().double().requires_grad_()
     f(q64, k.double(), v.double()).sum().backward()
     assert rel_error(q.grad, q64.grad) < 1e-3
+
+
+class _Kernel:
+    """A CompiledKernel's launch surface (``run``, ``function``, ``packed_metadata``)."""
+
+    def __init__(self, key):
+        self.key, self.function, self.packed_metadata, self.launches = key, object(), object(), []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _JitFn:
+    """A @triton.jit function's launch surface: ``fn[grid](*args, **meta)`` compiles (counts) and
+    returns the CompiledKernel, which it also launches."""
+    arg_names = ["x_ptr", "x_s0", "n", "BLOCK"]
+
+    def __init__(self):
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            kernel = _Kernel((args, tuple(meta.items())))
+            self.compiled.append(kernel)
+            kernel.run(*grid, *args)
+            return kernel
+        return run
+
+
+def test_fast_launch_reuses_a_kernel_only_for_the_same_specialisation():
+    """The second launch with the same constexprs, scalars, dtypes and pointer alignment calls
+    the compiled kernel's launcher (grid, stream, then every argument with the constexprs last);
+    a different scalar, dtype, alignment (a view 2 bytes in) or constexpr goes through Triton."""
+    from flashlight._compat import FastLaunch
+
+    class Launch(FastLaunch):
+        stream = staticmethod(lambda: "stream")
+    fn = _JitFn()
+    k = Launch(fn)
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    k[(3, 2)](x, 1, 64, BLOCK=16, num_warps=4)
+    k[(3, 2)](x, 1, 64, BLOCK=16, num_warps=4)
+    assert len(fn.compiled) == 1 and len(fn.compiled[0].launches) == 2
+    grid_x, grid_y, grid_z, stream, _, _, *rest = fn.compiled[0].launches[1]
+    assert (grid_x, grid_y, grid_z, stream) == (3, 2, 1, "stream")
+    assert rest[:3] == [None, None, None] and rest[3:] == [x, 1, 64, 16]
+    k[(3, 2)](torch.zeros(64, dtype=torch.bfloat16), 1, 64, BLOCK=16, num_warps=4)   # another aligned tensor
+    assert len(fn.compiled) == 1
+    for args, meta in [((x, 1, 48), dict(BLOCK=16, num_warps=4)), ((x.float(), 1, 64), dict(BLOCK=16, num_warps=4)),
+                       ((x[1:], 1, 64), dict(BLOCK=16, num_warps=4)), ((x, 1, 64), dict(BLOCK=32, num_warps=4)),
+                       ((x, 1, 64), dict(BLOCK=16, num_warps=8))]:
+        before = len(fn.compiled)
+        k[(3, 2)](*args, **meta)
+        assert len(fn.compiled) == before + 1, (args, meta)

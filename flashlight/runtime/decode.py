@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._compat import fast_launch
 from ..codegen.split import generate_split, pack_heads, splittable
 from ..tune import cdiv
 from .cache import load_module, source_hash
@@ -108,5 +109,6 @@ def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | N
     mod_name = f"fl_dec_{source_hash(source)}"
     source = source.replace(f"def {placeholder}_", f"def {mod_name}_")
     module, _ = load_module(mod_name, source)
-    return SplitKernels(region, group, getattr(module, f"{mod_name}_split"), getattr(module, f"{mod_name}_combine"),
+    return SplitKernels(region, group, fast_launch(getattr(module, f"{mod_name}_split")),
+                        fast_launch(getattr(module, f"{mod_name}_combine")),
                         stats, source)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from triton.runtime.errors import OutOfResources
 
+from .._compat import fast_launch
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gradients import grad_plan
 from ..ir import Region
@@ -341,7 +342,7 @@ def compile_region(region: Region) -> CompiledRegion:
     key = f"{name}_{source_hash(str(region))}"
     if key not in REGISTRY:
         module, path = load_module(name, source)
-        c = CompiledRegion(region, source, name, path, getattr(module, name), stats, key=key,
+        c = CompiledRegion(region, source, name, path, fast_launch(getattr(module, name)), stats, key=key,
                            sparse=useful(dead_predicate(region, region.passes()[0])))
         compile_backward(c)
         REGISTRY[key] = c
@@ -360,7 +361,7 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_name = f"fl_bwd_{source_hash(source)}"
     c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and its _dq, _rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
-    kernel = lambda suffix: getattr(module, f"{c.bwd_name}{suffix}")       # noqa: E731
+    kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"))       # noqa: E731
     c.bwd_kernel = BackwardKernels(c.region, grad_plan(c.region), stats, kernel("_rows"), kernel(""), kernel("_dq"))
 
 

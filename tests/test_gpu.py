@@ -1,0 +1,59 @@
+"""Compiled-kernel tests: they need a GPU and ``TRITON_INTERPRET=0`` (the suite's conftest sets the
+interpreter by default), and skip otherwise. On the device: ``TRITON_INTERPRET=0 python -m pytest
+tests/test_gpu.py``."""
+import os
+
+import pytest
+import torch
+
+from flashlight.examples import VARIANTS
+from flashlight.runtime.op import REGISTRY
+from flashlight.testing import rel_error, to64
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="compiled Triton kernels need a GPU (and TRITON_INTERPRET=0)")
+
+# bf16 inputs, fp32 accumulation: the error floor of bf16 outputs and of FA2-style bf16 dot operands
+FWD_TOL, GRAD_TOL = 2e-2, 5e-2
+
+
+def _inputs(name, **kw):
+    torch.manual_seed(0)
+    return [x.cuda() for x in VARIANTS[name].make_inputs(**kw)]
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi", "document_mask", "sliding_window", "diff_attention", "evoformer"])
+def test_bf16_forward_and_gradients_match_float64(name):
+    mod = VARIANTS[name]
+    inputs = [x.to(torch.bfloat16) if x.is_floating_point() else x
+              for x in _inputs(name, B=2, H=4, M=333, D=64)]
+    leaves = [x.requires_grad_() for x in inputs if x.is_floating_point()]
+    out = torch.compile(mod.attention, backend="flashlight")(*inputs)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_in = [to64(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    ref = mod.attention(*ref_in)
+    ref_grads = torch.autograd.grad(ref, [x for x in ref_in if x.is_floating_point()], to64(dout))
+    assert rel_error(out, ref) < FWD_TOL
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))
+
+
+def test_fast_launch_recompiles_for_a_misaligned_view():
+    """The same compiled region called on an aligned q, then on a view 2 bytes into its storage:
+    the launcher's key sends the second through Triton (another specialisation), and both agree
+    with eager."""
+    mod = VARIANTS["causal"]
+    q, k, v = (x.to(torch.bfloat16) for x in _inputs("causal", B=1, H=2, M=200, D=64))
+    fast = torch.compile(mod.attention, backend="flashlight", dynamic=False)
+    ref = mod.attention(*(to64(x) for x in (q, k, v)))
+    for _ in range(3):
+        assert rel_error(fast(q, k, v), ref) < FWD_TOL
+    flat = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)
+    q2 = flat[1:].view_as(q)
+    q2.copy_(q)
+    assert q2.data_ptr() % 16 != 0
+    for _ in range(2):
+        assert rel_error(fast(q2, k, v), ref) < FWD_TOL
+    launchers = [c.kernel for c in REGISTRY.values() if hasattr(c.kernel, "kernels")]
+    assert launchers and max(len(x.kernels) for x in launchers) >= 2
