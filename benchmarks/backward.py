@@ -1,15 +1,16 @@
 """Training-step benchmark: forward + backward of every FlexAttention-expressible variant,
 flashlight's generated backward against FlexAttention's (cached block mask).
 
-    python -m benchmarks.backward [--n 4096] [--b 4] [--h 16] [--d 64] [--variants a,b]
+    python -m benchmarks.backward [--n 4096] [--b 4] [--h 16] [--d 64] [--variants a,b] [--inductor]
 
 Per variant (bf16 on CUDA): which backward flashlight used (``explain``), the largest relative
 error over the gradients of all floating inputs (flashlight) or of q, k, v (flex) against fp32
 eager autograd, median ``do_bench`` time of
 the forward alone and of forward + backward (``torch.autograd.grad`` with a fixed dO), and
-``xflex = flex ms / flashlight ms`` for forward + backward. Results go to ``$OUT/backward.csv``
-when ``OUT`` is set, else ``--out``. ``--device cpu`` (with ``TRITON_INTERPRET=1``) only
-dry-runs the script's logic at a small size.
+``xflex = flex ms / flashlight ms`` for forward + backward (``--inductor``: also plain
+torch.compile's, ``xinductor``; the only comparison for programs Flex cannot express). Results
+go to ``$OUT/backward_d{D}.csv`` when ``OUT`` is set, else ``--out``. ``--device cpu`` (with
+``TRITON_INTERPRET=1``) only dry-runs the script's logic at a small size.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from . import flex_equivalents as fe
 from .smoke import NAN, Notes, configure_dynamo, make_bench, to_fp32
 
 COLUMNS = ["variant", "backward", "gerr_flashlight", "gerr_flex", "ms_fwd_flashlight", "ms_fwd_flex",
-           "ms_step_flashlight", "ms_step_flex", "xflex_step", "configs", "notes"]
+           "ms_step_flashlight", "ms_step_flex", "xflex_step", "ms_step_inductor", "xinductor_step", "configs", "notes"]
 
 
 def parse_args(argv=None):
@@ -43,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--inductor", action="store_true", help="also time plain torch.compile (Inductor)")
     p.add_argument("--tune", action="store_true",
                    help="autotune every kernel (as mode='max-autotune') and report the configs chosen")
     return p.parse_args(argv)
@@ -91,6 +93,11 @@ def run_variant(name: str, args, bench) -> dict:
         row["ms_fwd_flex"] = notes.attempt("fwd flex", lambda: bench(run))
         row["ms_step_flex"] = notes.attempt("step flex", lambda: bench(lambda: step(run, qkv, dout)))
     row["xflex_step"] = row["ms_step_flex"] / row["ms_step_flashlight"]
+    if args.inductor:
+        ind = torch.compile(mod.attention, dynamic=False)
+        row["ms_step_inductor"] = notes.attempt("step inductor",
+                                                lambda: bench(lambda: step(lambda: ind(*inputs), leaves, dout)))
+        row["xinductor_step"] = row["ms_step_inductor"] / row["ms_step_flashlight"]
     row["configs"] = " ".join(f"{'/'.join(map(str, k)) if isinstance(k, tuple) else k}={c.BLOCK_M}x{c.BLOCK_N}w{c.num_warps}s{c.num_stages}"
                               for key, reg in REGISTRY.items() if reg.bwd_launches > before.get(key, 0)
                               for k, c in reg.tuned.items())
@@ -108,7 +115,7 @@ def main(argv=None) -> int:
     bench = make_bench(args.device, args.warmup, args.rep)
     out_dir = os.environ.get("OUT") or args.out
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "backward.csv")
+    path = os.path.join(out_dir, f"backward_d{args.d}.csv")
     print(f"backward: torch {torch.__version__}, {args.device}, B={args.b} H={args.h} N={args.n} D={args.d}",
           flush=True)
     rows = []
@@ -117,7 +124,8 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"{name:16s} {r['backward']:10s} gerr fl {r['gerr_flashlight']:.1e} flex {r['gerr_flex']:.1e}  "
               f"fwd {r['ms_fwd_flashlight']:.3f}/{r['ms_fwd_flex']:.3f}  fwd+bwd {r['ms_step_flashlight']:.3f}/"
-              f"{r['ms_step_flex']:.3f} ms  x{r['xflex_step']:.2f}  {r['configs']}  {r['notes'][:200]}", flush=True)
+              f"{r['ms_step_flex']:.3f} ms  x{r['xflex_step']:.2f}  inductor {r['ms_step_inductor']:.3f} ms  "
+              f"{r['configs']}  {r['notes'][:200]}", flush=True)
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=COLUMNS)
             w.writeheader()

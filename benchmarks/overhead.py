@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--b", type=int, default=4)
     p.add_argument("--h", type=int, default=16)
     p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--m", type=int, help="query length (default: --n; 1 for decoding)")
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -58,7 +59,7 @@ def main() -> None:
     rows = []
     for name in args.variants.split(","):
         mod = VARIANTS[name]
-        inputs = mod.make_inputs(args.b, args.h, args.n, args.n, args.d, torch.bfloat16, "cuda")
+        inputs = mod.make_inputs(args.b, args.h, args.m or args.n, args.n, args.d, torch.bfloat16, "cuda")
         fn = torch.compile(mod.attention, backend="flashlight", fullgraph=True)
         rt.CompiledRegion.run_all = recording     # this script's probe: record the region inputs
         captured.clear()

@@ -203,7 +203,7 @@ class CompiledRegion:
                 disk.store(key, cfg)
             elif cfg is None:
                 cfg = heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-                    backward_heuristic(block_d, kernel, self.sparse)
+                    backward_heuristic(block_d, kernel, self.sparse, len(r.dots))
         self.tuned[mem_key] = cfg
         return cfg
 

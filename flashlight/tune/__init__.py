@@ -112,15 +112,18 @@ def backward_candidates(block_d: int, kernel: str) -> list[Config]:
     return [Config(*c) for c in BACKWARD[kernel] if c[0] * c[1] <= limit]
 
 
-def backward_heuristic(block_d: int, kernel: str, sparse: bool = False) -> Config:
-    """A backward kernel's default: the first candidate; dQ at D <= 64 with a mask that skips
-    blocks takes the forward's 64 x 64 (short live ranges waste wide query blocks). dK/dV at
-    D <= 64 takes 128 x 128 w8 s2, autotuning's pick for causal attention on the H200 (fwd+bwd
-    2.67 ms against 4.62 ms with 64 x 128 w8 s3; one measured variant, docs/notes.md session 3)."""
-    if kernel == "dq" and sparse and block_d <= 64:
+def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: int = 1) -> Config:
+    """A backward kernel's default, from autotuning on the H200 (docs/notes.md, session 4).
+    dK/dV: 32 x 64 w4 s3 at D <= 128 — the pick for causal and document masks at D = 64 and 128
+    once dO / l is read in bf16 (D=128 causal fwd+bwd 2.80 ms against 3.55 with 64 x 128 w8 s3);
+    64 x 64 w4 s3 for programs of several score tiles at D <= 64 (DiffAttn: 4.9 ms against 14.3
+    with 128 x 128, whose tiles spill). dQ at D <= 64 takes the forward's 64 x 64 for several
+    score tiles or a mask that skips blocks (short live ranges waste wide query blocks).
+    Otherwise the first candidate."""
+    if kernel == "dkdv" and block_d <= 128:
+        return Config(64, 64, 4, 3) if n_dots > 1 and block_d <= 64 else Config(32, 64, 4, 3)
+    if kernel == "dq" and (sparse or n_dots > 1) and block_d <= 64:
         return Config(64, 64, 4, 3)
-    if kernel == "dkdv" and block_d <= 64:
-        return Config(128, 128, 8, 2)
     return backward_candidates(block_d, kernel)[0]
 
 
