@@ -5,7 +5,7 @@ machine without a GPU so the generated kernels themselves run).
 Each program draws: shapes (primes included), layout (BHSD or BSHD), where the scale goes, GQA
 and its spelling, a mask (none, causal, window, prefix, document ids, key padding, a boolean
 tensor) and its fill value (-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
-and the softmax spelling. The program is plain PyTorch, built from closures.
+the softmax spelling, and an epilogue (a head-merging reshape, an RMSNorm, a sigmoid gate). The program is plain PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def make_program(rng: random.Random) -> Program:
     softcap = rng.random() < 0.2
     spelling = rng.choice(["torch", "F_fp32", "method", "hand"])
     window, prefix = rng.randint(1, 20), rng.randint(0, 20)
+    epilogue = rng.choice(["none", "none", "none", "merge_heads", "rmsnorm", "gate"])
 
     def rand(*shape):
         return torch.randn(*shape)
@@ -66,6 +67,10 @@ def make_program(rng: random.Random) -> Program:
         extra["bias"] = rand(B, 1, M, N)
     elif bias == "row":
         extra["bias"] = rand(M, 1)
+    if epilogue == "rmsnorm":
+        extra["norm_w"] = 1 + 0.1 * rand(Dv)
+    elif epilogue == "gate":
+        extra["gate"] = rand(B, H, M, Dv)
     names = list(extra)
 
     def program(q, k, v, *xs):
@@ -112,12 +117,19 @@ def make_program(rng: random.Random) -> Program:
         else:
             e = torch.exp(s - s.amax(-1, keepdim=True))
             p = e / e.sum(-1, keepdim=True)
-        return p @ v
+        o = p @ v
+        if epilogue == "merge_heads":       # [B, M, H * Dv], a permuted store
+            return o.transpose(1, 2).reshape(B, M, H * Dv)
+        if epilogue == "rmsnorm":           # a dv-sum in the epilogue
+            return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * ex["norm_w"]
+        if epilogue == "gate":
+            return o * torch.sigmoid(ex["gate"])
+        return o
 
     rng_fill_style = rng.random() < 0.5
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
-            f"window={window} prefix={prefix}")
+            f"window={window} prefix={prefix} epilogue={epilogue}")
     return Program(desc, program, (q, k, v, *extra.values()), grads=rng.random() < 0.15)
 
 
