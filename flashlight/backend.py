@@ -186,7 +186,7 @@ def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
     for sink in _LISTENERS:
         sink.append(report)
     if report.regions and runs_as_is(fused):
-        return direct_calls(fused)
+        return direct_calls(fused).forward    # the graph's code itself: no nn.Module call (hook checks)
     return _compat.compile_fx(fused, list(example_inputs))
 
 

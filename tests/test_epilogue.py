@@ -92,3 +92,15 @@ def test_evoformer_gradients_through_the_permuted_store():
         return (o * torch.sigmoid(gate)).flatten(-2)
     q, k, v, _, _, gate = evoformer.make_inputs(B=1, H=2, M=5, D=16, S=19)
     check_grads(column_attention, [q, k, v, gate])
+
+
+def test_head_merging_store_with_one_query():
+    """M = 1 (a decoding step) with the heads merged into [B, 1, H * D]: no store index term
+    varies along m, so the store pointer (and the backward's dO load) is broadcast to the whole
+    tile (fuzz seeds 14/15, epilogue=merge_heads, all M = 1 programs crashed at launch)."""
+    def attention(q, k, v):
+        o = torch.softmax(q @ k.mT * 0.25, -1) @ v
+        return o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    q, k, v = torch.randn(2, 3, 1, 16), torch.randn(2, 3, 29, 16), torch.randn(2, 3, 29, 16)
+    check_fused(attention, q, k, v)
+    check_grads(attention, [q, k, v])

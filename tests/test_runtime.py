@@ -341,3 +341,7 @@ def test_fast_launch_reuses_a_kernel_only_for_the_same_specialisation():
         before = len(fn.compiled)
         k[(3, 2)](*args, **meta)
         assert len(fn.compiled) == before + 1, (args, meta)
+    before = len(fn.compiled)
+    for _ in range(2):          # not the argument kinds of the first launch: every call goes to Triton
+        k[(3, 2)](7, 1, 64, BLOCK=16, num_warps=4)
+    assert len(fn.compiled) == before + 2

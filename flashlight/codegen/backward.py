@@ -141,7 +141,7 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
         "mask_o = mask_m[:, None] & mask_dv[None, :]",
         "row = pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm",
     ]
-    block.lines.append(f"do = tl.load(dout_ptr + {' + '.join(out_offsets(region, em, block, 'dout'))}, mask=mask_o, "
+    block.lines.append(f"do = tl.load(dout_ptr + {out_offsets(region, em, block, 'dout')}, mask=mask_o, "
                        "other=0.0).to(tl.float32)")
     for j in sorted(refs(region.out, "red")):
         reduction = region.reductions[j]

@@ -104,16 +104,18 @@ def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
     return torch.float32
 
 
-def out_offsets(region: Region, em: Emitter, block: Block, base: str) -> list[str]:
-    """Offset terms of the [BLOCK_M, BLOCK_DV] output tile in a tensor of the output's shape with
+def out_offsets(region: Region, em: Emitter, block: Block, base: str) -> str:
+    """Offsets of the [BLOCK_M, BLOCK_DV] output tile in a tensor of the output's shape with
     strides ``{base}_s{d}``: the forward's store, the backward's load of dO. A permuted or
-    reshaped output (DiffAttn's head merge) takes its index from the epilogue's views."""
+    reshaped output (DiffAttn's head merge) takes its index from the epilogue's views, broadcast
+    to the whole tile (with one query, M = 1, no index term varies along m)."""
     nb = len(region.batch)
     if region.out_index is None:
-        return [f"b{d} * {base}_s{d}" for d in range(nb)] + [f"offs_m[:, None] * {base}_s{nb}",
-                                                             f"offs_dv[None, :] * {base}_s{nb + 1}"]
-    return [f"{em.emit(i, CTX_O, block)} * {base}_s{d}" for d, i in enumerate(region.out_index)
-            if not (i.op == "const" and i.args[0] == 0)]
+        return " + ".join([f"b{d} * {base}_s{d}" for d in range(nb)] + [f"offs_m[:, None] * {base}_s{nb}",
+                                                                       f"offs_dv[None, :] * {base}_s{nb + 1}"])
+    terms = [f"{em.emit(i, CTX_O, block)} * {base}_s{d}" for d, i in enumerate(region.out_index)
+             if not (i.op == "const" and i.args[0] == 0)]
+    return f"tl.broadcast_to({' + '.join(terms) or '0'}, [BLOCK_M, BLOCK_DV])"
 
 
 class KernelWriter:
@@ -331,7 +333,7 @@ class KernelWriter:
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
         val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
         offs = out_offsets(r, self.em, out, "out")
-        out.lines.append(f"tl.store(out_ptr + {' + '.join(offs)}, {val}.to(out_ptr.dtype.element_ty), "
+        out.lines.append(f"tl.store(out_ptr + {offs}, {val}.to(out_ptr.dtype.element_ty), "
                          f"mask=mask_m[:, None] & mask_dv[None, :])")
         for k, row in enumerate(r.rows):
             val = f"tl.broadcast_to({self.em.emit(row.expr, CTX_O, out)}, [BLOCK_M, 1])"

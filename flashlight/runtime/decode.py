@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +63,18 @@ def plan(M: int, N: int, programs: int, block_n: int, sms: int) -> tuple[int, in
     return cdiv(n_blocks, per), per
 
 
+class LaunchPlan(NamedTuple):
+    """What a split launch under one config computes once: the split, grids, shapes, constexprs."""
+    splits: int
+    per: int
+    split_grid: tuple
+    combine_grid: tuple
+    workspace: tuple
+    out_shape: tuple
+    row_shape: tuple
+    meta: dict
+
+
 @dataclass
 class SplitKernels:
     """The split and combine kernels of a region, generated for ``region``: the original one, or
@@ -73,29 +86,43 @@ class SplitKernels:
     stats: list
     source: str
     launches: int = 0
+    plans: dict = field(default_factory=dict)     # (config, stats, device, FORCE_SPLITS) -> LaunchPlan | None
 
     def launch(self, inputs: list[torch.Tensor], outs: list[torch.Tensor], rowstats: torch.Tensor, cfg,
                stats: bool = True) -> bool:
         """Run split + combine into ``outs`` and ``rowstats`` (*batch, M, W; a placeholder when
         ``stats`` is off) if the plan splits the keys; False otherwise."""
-        from .op import kernel_args, launch_meta
+        from .op import kernel_args
+        device = inputs[0].device
+        key = (cfg, stats, device, FORCE_SPLITS)
+        if key not in self.plans:     # per config: the split plan, grids and constexprs (host time on every call)
+            self.plans[key] = self.launch_plan(cfg, stats, device)
+        p = self.plans[key]
+        if p is None:
+            return False
+        r = self.region
+        views = [outs[0].view(p.out_shape)] + [o.view(p.row_shape) for o in outs[1:]]
+        ws = torch.empty(p.workspace, dtype=torch.float32, device=device)
+        if stats:
+            rowstats = rowstats.view(*p.row_shape, rowstats.shape[-1])     # packed rows: same memory order
+        args = [*kernel_args(r, self.stats, inputs, views, rowstats, cfg), ws, p.splits, p.per]
+        self.split[p.split_grid](*args, **p.meta)
+        self.combine[p.combine_grid](*args, **p.meta)
+        self.launches += 1
+        return True
+
+    def launch_plan(self, cfg, stats: bool, device: torch.device) -> LaunchPlan | None:
+        from .op import launch_meta
         r = self.region
         programs_b = math.prod(r.batch)
         grid_m = cdiv(r.M, cfg.BLOCK_M)
-        splits, per = plan(r.M, r.N, grid_m * programs_b, cfg.BLOCK_N, sm_count(inputs[0].device))
+        splits, per = plan(r.M, r.N, grid_m * programs_b, cfg.BLOCK_N, sm_count(device))
         if splits == 1:
-            return False
-        views = [outs[0].view(*r.batch, r.M, r.DV)] + [o.view(*r.batch, r.M) for o in outs[1:]]
+            return None
         width = sum(1 if red.kind != "dot" else r.DV for red in r.reductions)
-        ws = torch.empty((splits, programs_b, r.M, width), dtype=torch.float32, device=inputs[0].device)
-        if stats:
-            rowstats = rowstats.view(*r.batch, r.M, rowstats.shape[-1])     # packed rows: same memory order
-        args = [*kernel_args(r, self.stats, inputs, views, rowstats, cfg), ws, splits, per]
-        meta = launch_meta(r, cfg, stats)
-        self.split[(grid_m, programs_b, splits)](*args, **meta)
-        self.combine[(grid_m, programs_b)](*args, **meta)
-        self.launches += 1
-        return True
+        return LaunchPlan(splits, per, (grid_m, programs_b, splits), (grid_m, programs_b),
+                          (splits, programs_b, r.M, width), (*r.batch, r.M, r.DV), (*r.batch, r.M),
+                          launch_meta(r, cfg, stats))
 
 
 def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | None:
