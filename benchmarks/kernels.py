@@ -6,7 +6,7 @@ Per variant, the flashlight-compiled call (``--step``: forward + backward, as
 ``benchmarks.backward`` times it) runs ``--reps`` times under the profiler; each kernel's
 device time per call is printed next to the call's ``do_bench`` median, so time outside the
 generated kernels (Inductor ops around the region, copies, host gaps) shows as the difference.
-Writes ``kernels.csv`` to ``$OUT`` (or ``--out``).
+Writes ``kernels_d{D}_n{N}[_step].csv`` to ``$OUT`` (or ``--out``).
 """
 from __future__ import annotations
 

@@ -66,15 +66,19 @@ class FastLaunch:
     that kernel's launcher (``CompiledKernel.run``, Triton 3.x's launcher signature). The key
     holds every scalar argument's value and every tensor's dtype and address modulo 16: a
     superset of what Triton specialises on (ints equal to 1 or divisible by 16, 16-byte pointer
-    alignment, pointer dtypes), so the kernel reused is always the one Triton would pick.
-    With a launch hook installed (profilers such as proton), every launch goes through Triton."""
+    alignment, pointer dtypes) plus the current device, so the kernel reused is always the one
+    Triton would pick. A launch with a tensor where the first had a scalar, or leaving out a
+    constexpr that has a default, is not cached. With a launch hook installed (profilers such as
+    proton), every launch goes through Triton. The fast path skips what ``run`` re-checks on
+    every call and flashlight never changes: ``pre_run_hooks``, changed globals of the kernel,
+    ``knobs.runtime.debug``."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, current=None):
         self.fn = fn
         self.kernels: dict = {}
         self.parts = None       # (tensor arguments, scalar arguments) getters, from the first launch
         self.runtime = None     # triton.knobs.runtime (its launch hooks)
-        self.current = None     # (get_current_device, get_current_stream) of Triton's driver
+        self.current = current  # (get_current_device, get_current_stream); default Triton's driver's
 
     def __getitem__(self, grid):
         return lambda *args, **meta: self.launch(grid, args, meta)
@@ -82,30 +86,30 @@ class FastLaunch:
     def launch(self, grid, args, meta):
         if self.parts is None:
             from triton import knobs
+            from triton.runtime.driver import driver
             self.parts, self.runtime = _parts(args), knobs.runtime
+            self.current = self.current or (driver.active.get_current_device, driver.active.get_current_stream)
         tensors, scalars = self.parts
+        device = self.current[0]()      # Triton's caches are per device: so is a loaded kernel
+        values = scalars(args)
+        kinds = tuple(map(type, values))    # 1, True and 1.0 hash alike; Triton types them apart
         try:
-            key = (tuple(meta.items()), scalars(args), tuple([(t.dtype, t.data_ptr() & 15) for t in tensors(args)]))
+            key = (device, tuple(meta.items()), values, kinds,
+                   tuple([(t.dtype, t.data_ptr() & 15) for t in tensors(args)]))
         except AttributeError:      # not the argument kinds of the first launch: Triton decides
             return self.fn[grid](*args, **meta)
         hit = self.kernels.get(key)
         if hit is None or _hooked(self.runtime.launch_enter_hook) or _hooked(self.runtime.launch_exit_hook):
             kernel = self.fn[grid](*args, **meta)
-            if hasattr(kernel, "packed_metadata"):       # a CompiledKernel (None when only warming up)
-                constexprs = [meta[name] for name in self.fn.arg_names[len(args):]]
-                self.kernels[key] = (kernel, constexprs)
+            names = self.fn.arg_names[len(args):]
+            if (hasattr(kernel, "packed_metadata")          # a CompiledKernel (None when only warming up)
+                    and all(n in meta for n in names) and not any(issubclass(k, _tensor()) for k in kinds)):
+                self.kernels[key] = (kernel, [meta[n] for n in names])
             return kernel
         kernel, constexprs = hit
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self.stream(),
+        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self.current[1](device),
                    kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
         return kernel
-
-    def stream(self):
-        if self.current is None:
-            from triton.runtime.driver import driver
-            self.current = (driver.active.get_current_device, driver.active.get_current_stream)
-        device, stream = self.current
-        return stream(device())
 
 
 def _parts(args) -> tuple:
@@ -121,7 +125,13 @@ def _parts(args) -> tuple:
             return operator.itemgetter(*pos)
         return (lambda a: (a[pos[0]],)) if pos else (lambda a: ())
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    return getter(tensors), getter([i for i in range(len(args)) if i not in set(tensors)])
+    others = set(range(len(args))) - set(tensors)
+    return getter(tensors), getter(sorted(others))
+
+
+def _tensor():
+    import torch
+    return torch.Tensor
 
 
 def _hooked(hook) -> bool:

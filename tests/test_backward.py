@@ -142,7 +142,7 @@ def test_two_kernel_backward_stores_what_one_program_owns():
 def test_product_row_gradients_are_stored_as_the_value_operand():
     """dL/d(P @ V) = dO / l is a tl.dot operand of both tile kernels: on the GPU it is written in
     V's bf16 (FA2 feeds dO as stored), one DV-wide column group per product in a tensor of its
-    own (rows a multiple of DV apart, 16-byte aligned), and loaded without a cast; fp32 under
+    own (rows DV elements apart: 16-byte aligned for DV a multiple of 8), and loaded without a cast; fp32 under
     the interpreter (its bf16 dots run in fp32) and for fp32 inputs."""
     from flashlight.codegen.backward import dot_grads, generate_backward
     from flashlight.runtime.op import REGISTRY

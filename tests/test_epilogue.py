@@ -104,3 +104,14 @@ def test_head_merging_store_with_one_query():
     q, k, v = torch.randn(2, 3, 1, 16), torch.randn(2, 3, 29, 16), torch.randn(2, 3, 29, 16)
     check_fused(attention, q, k, v)
     check_grads(attention, [q, k, v])
+
+
+def test_norm_without_epsilon_keeps_padded_rows_out_of_weight_gradients():
+    """An L2 normalisation without epsilon: rows past M (a ragged last query block) have o = 0
+    and their adjoint of the weight is 0 * inf there; the row kernel zeroes padded rows and
+    columns before summing a broadcast input's gradient over them (found in review)."""
+    def attention(q, k, v, w):
+        o = torch.softmax(q @ k.mT * 0.25, -1) @ v
+        return o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True)) * w
+    q, k, v = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16)
+    check_grads(attention, [q, k, v, torch.randn(16)])

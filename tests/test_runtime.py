@@ -319,19 +319,18 @@ class _JitFn:
 def test_fast_launch_reuses_a_kernel_only_for_the_same_specialisation():
     """The second launch with the same constexprs, scalars, dtypes and pointer alignment calls
     the compiled kernel's launcher (grid, stream, then every argument with the constexprs last);
-    a different scalar, dtype, alignment (a view 2 bytes in) or constexpr goes through Triton."""
+    a different scalar, dtype, alignment (a view 2 bytes in), constexpr or current device goes
+    through Triton."""
     from flashlight._compat import FastLaunch
 
-    class Launch(FastLaunch):
-        stream = staticmethod(lambda: "stream")
-    fn = _JitFn()
-    k = Launch(fn)
+    fn, device = _JitFn(), [0]
+    k = FastLaunch(fn, current=(lambda: device[0], lambda dev: f"stream{dev}"))
     x = torch.zeros(64, dtype=torch.bfloat16)
     k[(3, 2)](x, 1, 64, BLOCK=16, num_warps=4)
     k[(3, 2)](x, 1, 64, BLOCK=16, num_warps=4)
     assert len(fn.compiled) == 1 and len(fn.compiled[0].launches) == 2
     grid_x, grid_y, grid_z, stream, _, _, *rest = fn.compiled[0].launches[1]
-    assert (grid_x, grid_y, grid_z, stream) == (3, 2, 1, "stream")
+    assert (grid_x, grid_y, grid_z, stream) == (3, 2, 1, "stream0")
     assert rest[:3] == [None, None, None] and rest[3:] == [x, 1, 64, 16]
     k[(3, 2)](torch.zeros(64, dtype=torch.bfloat16), 1, 64, BLOCK=16, num_warps=4)   # another aligned tensor
     assert len(fn.compiled) == 1
@@ -341,7 +340,15 @@ def test_fast_launch_reuses_a_kernel_only_for_the_same_specialisation():
         before = len(fn.compiled)
         k[(3, 2)](*args, **meta)
         assert len(fn.compiled) == before + 1, (args, meta)
+    device[0] = 1               # another current device: Triton's caches are per device, so is ours
+    k[(3, 2)](x, 1, 64, BLOCK=16, num_warps=4)
+    k[(3, 2)](x, 1, 64, BLOCK=16, num_warps=4)
+    assert fn.compiled[-1].launches[-1][3] == "stream1" and len(fn.compiled[-1].launches) == 2
     before = len(fn.compiled)
     for _ in range(2):          # not the argument kinds of the first launch: every call goes to Triton
         k[(3, 2)](7, 1, 64, BLOCK=16, num_warps=4)
-    assert len(fn.compiled) == before + 2
+        k[(3, 2)](x, x, 64, BLOCK=16, num_warps=4)
+    assert len(fn.compiled) == before + 4
+    for scalar in (True, 1.0):  # hash like 1, typed apart by Triton (u1, fp32)
+        k[(3, 2)](x, scalar, 64, BLOCK=16, num_warps=8)
+    assert len(fn.compiled) == before + 6

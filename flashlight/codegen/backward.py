@@ -160,7 +160,7 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
         else:
             block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.sum({g}, 1, keep_dims=True), "
                                "mask=mask_m[:, None])")
-    scatter(em, adjoints, CTX_O, block, plan.stored)
+    scatter(em, adjoints, CTX_O, block, plan.stored, "mask_o")
     args = tensor_args(region, "in", range(len(region.inputs))) + tensor_args(region, "g", plan.written("rows"))
     args += ["dout_ptr", *[f"dout_s{d}" for d in range(len(region.result_shape))],
              "rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm", "ddot_ptr", "ddot_sb", "ddot_sm"]
@@ -389,7 +389,7 @@ class DKDVWriter(TileWriter):
         self.row_values(loop)
         adjoints, operands = self.tile_adjoints(loop, full)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
-        scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored)  # (the reductions read are constant shifts)
+        scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored, "mask_mn")  # (reductions read: constant shifts)
         self.score_grads(loop, adjoints, operands)
         return loop.lines
 

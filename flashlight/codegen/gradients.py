@@ -105,15 +105,19 @@ def owned(x: Expr, ctx: str, region: Region) -> bool:
 
 
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
-            stored: frozenset[int] = frozenset()) -> None:
+            stored: frozenset[int] = frozenset(), tile_mask: str | None = None) -> None:
     """Write every load's adjoint at the load's address in its gradient tensor ``g{i}``, first
     summed over the tile axes its index does not use (broadcast dims): ``tl.store`` in the
-    gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32."""
+    gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32. ``tile_mask``:
+    the tile's in-range elements; the others are zeroed before the sums (a padded row's
+    adjoint can be 0 * inf, e.g. through an epilogue's division by a dv-sum that is 0 there)."""
     rows, cols, shape = TILE[ctx.name]
     for x, g in adjoints.items():
         if x.op != "load":
             continue
         val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
+        if tile_mask:
+            val = f"tl.where({tile_mask}, {val}, 0.0)"
         used = set().union(*(free_vars(i) for i in x.args[1]))
         if rows not in used and cols not in used:
             val = f"tl.sum(tl.sum({val}, 1), 0)"
