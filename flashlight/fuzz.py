@@ -161,9 +161,12 @@ def check(p: Program, tol: float = 1e-3) -> tuple[bool, bool, str]:
         pairs = [(a, b) for a, b in zip(g, g64) if a is not None and b is not None]
         if any(b.isnan().any() for _, b in pairs):
             return ok, bool(report.regions), msg + " grad skipped (eager NaN: a fully masked row)"
-        # relative to the gradients' scale: some are analytically 0 (a per-row bias under softmax)
+        # relative to the gradients' scale: some are analytically 0 (a per-row bias under softmax,
+        # q and k of a row with one live key: dS = P (dP - D) cancels exactly). Their fp32 value is
+        # rounding of that cancellation, ~1e-6 of the scale (seed 12 #746, seed 16 #490), so the
+        # floor is 1e-2 of the scale: an absolute error up to 1e-5 of the largest gradient passes.
         scale = max((b.double().norm().item() for _, b in pairs), default=1.0) or 1.0
-        gerr = max(((a.double() - b).norm().item() / max(b.norm().item(), 1e-3 * scale) for a, b in pairs),
+        gerr = max(((a.double() - b).norm().item() / max(b.norm().item(), 1e-2 * scale) for a, b in pairs),
                    default=0.0)
         msg += f" grad_err={gerr:.2e}"
         ok = gerr < tol
