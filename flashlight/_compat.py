@@ -58,8 +58,10 @@ def sets_grad_mode(node) -> bool:
 class FastLaunch:
     """A ``@triton.jit`` function launched as ``k[grid](*args, **meta)``, like the function
     itself, minus ``JITFunction.run``'s per-call work — binding and specialising ~40 arguments,
-    the cache key, device, stream and hook lookups: about 40 µs of host time per launch on the
-    device tool's H200 host (benchmarks.overhead), where a decode step's kernels take 48 µs.
+    the cache key, device, stream and hook lookups. On the device tool's H200 host
+    (benchmarks.overhead, docs/notes.md session 4) it saved 20-31 µs of host time per launch:
+    a one-launch sliding-window call's launch layer went from 61 to 29 µs, a decode step's two
+    launches from 151 to 110 µs (its kernels take 48 µs).
 
     The first launch of each (constexprs, argument key) goes through Triton, which compiles or
     finds the kernel and returns its ``CompiledKernel``; later launches with the same key call
@@ -139,8 +141,8 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def fast_launch(fn):
-    """``FastLaunch(fn)`` for a compiled kernel; ``fn`` itself under Triton's interpreter."""
+def fast_launch(fn, interpret: bool):
+    """``FastLaunch(fn)`` for a compiled kernel; ``fn`` itself under Triton's interpreter
+    (``interpret``) or with ``FLASHLIGHT_FAST_LAUNCH=0``."""
     import os
-    return fn if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("FLASHLIGHT_FAST_LAUNCH") == "0" \
-        else FastLaunch(fn)
+    return fn if interpret or os.environ.get("FLASHLIGHT_FAST_LAUNCH") == "0" else FastLaunch(fn)

@@ -275,16 +275,11 @@ class TileWriter(KernelWriter):
                               else "mask_mn = mask_m[:, None] & mask_n[None, :]")
         loop.lines.append("# recompute the score tiles")
         em.dot_names, operands = {}, {}
+        # S^T = K Q^T from K [N, DK] and Q^T [DK, M], both as loaded, in the transposed kernel
+        ctxs = (CTX_QT, CTX_KN) if self.transposed else (CTX_Q, CTX_K)
         for i in self.plan.dots:
-            if self.transposed:     # S^T = K Q^T from K [N, DK] and Q^T [DK, M], both as loaded
-                q, qdt = self.dot_operand(r.dots[i].q, CTX_QT, loop)
-                k, kdt = self.dot_operand(r.dots[i].k, CTX_KN, loop)
-                loop.lines.append(f"qk{i} = {self.tl_dot(k, q, qdt)}")
-            else:
-                q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
-                k, kdt = self.dot_operand(r.dots[i].k, CTX_K, loop)
-                loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
-            em.dot_names[i], operands[i] = f"qk{i}", (q, qdt, k, kdt)
+            operands[i] = self.score_dot(i, *ctxs, loop, transposed=self.transposed)
+            em.dot_names[i] = f"qk{i}"
         loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
         for j in self.plan.members:
             rd = r.reductions[j]

@@ -138,6 +138,16 @@ class KernelWriter:
             val = val if dt == torch.float32 else f"{val}.to({TL_DTYPE[dt]})"
         return full_tile(val, e, ctx, self.r), dt
 
+    def score_dot(self, i: int, q_ctx: Ctx, k_ctx: Ctx, block: Block, transposed: bool = False,
+                  acc: str | None = None) -> tuple[str, torch.dtype, str, torch.dtype]:
+        """``qk{i} = Q_i K_i^T`` on the two contexts' tiles (``K Q^T`` when ``transposed``: the
+        dK/dV kernel's [N, M] tiles), added to ``acc``; returns the operands and their types."""
+        q, qdt = self.dot_operand(self.r.dots[i].q, q_ctx, block)
+        k, kdt = self.dot_operand(self.r.dots[i].k, k_ctx, block)
+        a, b = (k, q) if transposed else (q, k)
+        block.lines.append(f"qk{i} = {self.tl_dot(a, b, qdt, acc=acc)}")
+        return q, qdt, k, kdt
+
     def tl_dot(self, a: str, b: str, dt: torch.dtype, acc: str | None = None) -> str:
         prec = f", input_precision={self.precision}" if dt == torch.float32 else ""
         acc = f", {acc}" if acc else ""
@@ -217,14 +227,9 @@ class KernelWriter:
         for i in sorted(set().union(*(refs(b, "dot") for b in bodies.values()))):
             if chunks:      # a head dim like 96: one dot per power-of-two piece, accumulated
                 for c, (off, width) in enumerate(chunks):
-                    cq, ck = chunk_ctxs(off, width)
-                    q, qdt = self.dot_operand(r.dots[i].q, cq, loop)
-                    k, _ = self.dot_operand(r.dots[i].k, ck, loop)
-                    loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt, acc=f'qk{i}' if c else None)}")
+                    self.score_dot(i, *chunk_ctxs(off, width), loop, acc=f"qk{i}" if c else None)
             else:
-                q, qdt = self.dot_operand(r.dots[i].q, CTX_Q, loop)
-                k, _ = self.dot_operand(r.dots[i].k, CTX_K, loop)
-                loop.lines.append(f"qk{i} = {self.tl_dot(q, k, qdt)}")
+                self.score_dot(i, CTX_Q, CTX_K, loop)
             em.dot_names[i] = f"qk{i}"
         bound = (lambda x, _: x) if full else (lambda x, ident: f"tl.where(mask_n[None, :], {x}, {ident})")
         for j, red in reds:      # running maxima first: the others rescale by them

@@ -136,6 +136,6 @@ def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | N
     mod_name = f"fl_dec_{source_hash(source)}"
     source = source.replace(f"def {placeholder}_", f"def {mod_name}_")
     module, _ = load_module(mod_name, source)
-    return SplitKernels(region, group, fast_launch(getattr(module, f"{mod_name}_split")),
-                        fast_launch(getattr(module, f"{mod_name}_combine")),
+    return SplitKernels(region, group, fast_launch(getattr(module, f"{mod_name}_split"), interpret),
+                        fast_launch(getattr(module, f"{mod_name}_combine"), interpret),
                         stats, source)

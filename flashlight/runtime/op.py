@@ -342,7 +342,8 @@ def compile_region(region: Region) -> CompiledRegion:
     key = f"{name}_{source_hash(str(region))}"
     if key not in REGISTRY:
         module, path = load_module(name, source)
-        c = CompiledRegion(region, source, name, path, fast_launch(getattr(module, name)), stats, key=key,
+        kernel = fast_launch(getattr(module, name), interpreting())
+        c = CompiledRegion(region, source, name, path, kernel, stats, key=key,
                            sparse=useful(dead_predicate(region, region.passes()[0])))
         compile_backward(c)
         REGISTRY[key] = c
@@ -361,7 +362,7 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_name = f"fl_bwd_{source_hash(source)}"
     c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and its _dq, _rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
-    kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"))       # noqa: E731
+    kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
     c.bwd_kernel = BackwardKernels(c.region, grad_plan(c.region), stats, kernel("_rows"), kernel(""), kernel("_dq"))
 
 
