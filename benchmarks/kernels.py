@@ -1,11 +1,12 @@
 """Where a compiled call's GPU time goes: every CUDA kernel of one call, from torch.profiler.
 
-    python -m benchmarks.kernels --variants sliding_window,causal [--d 64] [--n 4096] [--b 4] [--step]
+    python -m benchmarks.kernels --variants sliding_window,causal [--d 64] [--n 4096] [--b 4] [--step] [--flex]
 
 Per variant, the flashlight-compiled call (``--step``: forward + backward, as
 ``benchmarks.backward`` times it) runs ``--reps`` times under the profiler; each kernel's
-device time per call is printed next to the call's ``do_bench`` median, so time outside the
-generated kernels (Inductor ops around the region, copies, host gaps) shows as the difference.
+device time per call is printed next to the call's ``do_bench`` median and its host time (per
+call, unsynchronised), so time outside the generated kernels (Inductor ops around the region,
+copies, host gaps) shows as the difference.
 Writes ``kernels_d{D}_n{N}[_step].csv`` to ``$OUT`` (or ``--out``).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import csv
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -41,6 +43,19 @@ def kernel_times(fn, reps: int) -> dict[str, tuple[float, float]]:
     return {k: (us / reps, n / reps) for k, (us, n) in totals.items()}
 
 
+def host_us(fn, calls: int = 100) -> float:
+    """Host time per call: ``calls`` calls queued without synchronising (the queue does not fill
+    at these counts), divided."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--variants", default="causal")
@@ -49,6 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--step", action="store_true", help="forward + backward (gradients of the floating inputs)")
+    p.add_argument("--flex", action="store_true", help="also profile FlexAttention's call (cached block mask)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = p.parse_args(argv)
@@ -62,21 +78,28 @@ def main(argv=None) -> int:
         if args.step:
             inputs = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
         fl = torch.compile(mod.attention, backend="flashlight", dynamic=False)
-        leaves = [x for x in inputs if x.is_floating_point() and x.requires_grad]
-        if args.step:
-            dout = torch.randn_like(fl(*inputs))
-            call = lambda: torch.autograd.grad(fl(*inputs), leaves, dout)      # noqa: E731
-        else:
-            call = lambda: fl(*inputs)                                          # noqa: E731
-        ms = bench(call)
-        times = kernel_times(call, args.reps)
-        gpu = sum(us for us, _ in times.values())
-        print(f"{name} D={args.d} N={args.n} {'fwd+bwd' if args.step else 'fwd'}: do_bench {ms * 1e3:.1f} µs, "
-              f"kernels {gpu:.1f} µs", flush=True)
-        for k, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
-            print(f"    {us:9.1f} µs  x{n:g}  {k}")
-            rows.append(dict(variant=name, d=args.d, n=args.n, step=args.step, call_us=ms * 1e3,
-                             kernel=k, kernel_us=us, launches=n))
+        calls = {"flashlight": lambda: fl(*inputs)}
+        if args.flex:
+            from . import flex_equivalents as fe
+            bm = fe.make_block_mask(name, inputs)
+            calls["flex"] = lambda: fe.run_flex(name, inputs, bm)
+        for system, fwd in calls.items():
+            if args.step:
+                leaves = [x for x in inputs if x.is_floating_point()] if system == "flashlight" else inputs[:3]
+                dout = torch.randn_like(fwd())
+                call = lambda fwd=fwd, leaves=leaves, dout=dout: torch.autograd.grad(fwd(), leaves, dout)  # noqa: E731
+            else:
+                call = fwd
+            ms = bench(call)
+            times = kernel_times(call, args.reps)
+            gpu = sum(us for us, _ in times.values())
+            host = host_us(call)
+            print(f"{name} {system} D={args.d} N={args.n} {'fwd+bwd' if args.step else 'fwd'}: "
+                  f"do_bench {ms * 1e3:.1f} µs, kernels {gpu:.1f} µs, host {host:.1f} µs", flush=True)
+            for k, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
+                print(f"    {us:9.1f} µs  x{n:g}  {k}")
+                rows.append(dict(variant=name, system=system, d=args.d, n=args.n, step=args.step,
+                                 call_us=ms * 1e3, host_us=host, kernel=k, kernel_us=us, launches=n))
     out_dir = os.environ.get("OUT") or args.out
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"kernels_d{args.d}_n{args.n}{'_step' if args.step else ''}.csv"), "w",

@@ -163,13 +163,17 @@ def runs_as_is(gm: fx.GraphModule) -> bool:
 
 
 def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
-    """An FX graph that runs as is calls the inference op's Python implementation itself: the
-    dispatcher has nothing to add there (no autograd, no tracing), and each call saves its cost."""
-    from .runtime.op import region_direct
+    """An FX graph that runs as is calls the ops' Python implementations itself — the inference
+    op's function, and for the differentiable op an ``autograd.Function`` with the same saved
+    tensors and backward: the dispatcher has nothing to add there (no tracing follows), and each
+    call saves its cost."""
+    from .runtime.op import region_direct, region_train_direct
+    direct = {torch.ops.flashlight.region_infer.default: region_direct,
+              torch.ops.flashlight.region.default: region_train_direct}
     changed = False
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is torch.ops.flashlight.region_infer.default:
-            n.target, changed = region_direct, True
+        if n.op == "call_function" and n.target in direct:
+            n.target, changed = direct[n.target], True
     if changed:
         gm.recompile()
     return gm

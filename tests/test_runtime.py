@@ -214,6 +214,34 @@ def test_graph_of_only_regions_and_views_skips_inductor(monkeypatch):
     assert calls == [1] and rel_error(out, causal.attention(to64(q) @ to64(w), to64(k), to64(v))) < 1e-3
 
 
+def test_training_graph_that_runs_as_is_calls_the_autograd_function():
+    """A differentiable graph of only regions and views calls ``RegionFunction`` (no dispatcher);
+    one with other compute keeps the custom op for Inductor. Both give float64's gradients and
+    run the generated backward."""
+    import operator
+
+    from flashlight.runtime.op import REGISTRY, region_train_direct
+    q, k, v, ids = document_mask.make_inputs(B=1, H=2, M=37, D=16)
+    w = torch.randn(16, 16)
+    programs = {"as is": (document_mask.attention, lambda q, k, v: document_mask.attention(q, k, v, ids)),
+                "inductor": (lambda q, k, v, ids: document_mask.attention(q @ w, k, v, ids),
+                             lambda q, k, v: document_mask.attention(q @ to64(w), k, v, ids))}
+    for name, (fn, ref_fn) in programs.items():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        report = flashlight.explain(fn, *leaves, ids)
+        targets = {n.target for g in report.graphs for n in g.graph.nodes
+                   if n.op == "call_function" and n.target is not operator.getitem}
+        before = sum(c.bwd_launches for c in REGISTRY.values())
+        torch._dynamo.reset()
+        got = torch.autograd.grad(torch.compile(fn, backend="flashlight")(*leaves, ids), leaves, torch.ones(1, 2, 37, 16))
+        ref64 = [to64(x).requires_grad_() for x in (q, k, v)]
+        ref = torch.autograd.grad(ref_fn(*ref64), ref64, torch.ones(1, 2, 37, 16, dtype=torch.float64))
+        assert max(rel_error(a, b) for a, b in zip(got, ref)) < 1e-3, name
+        assert sum(c.bwd_launches for c in REGISTRY.values()) > before, name
+        op = torch.ops.flashlight.region.default
+        assert (region_train_direct in targets, op in targets) == ((True, False) if name == "as is" else (False, True))
+
+
 @pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
 def test_a_config_that_does_not_fit_falls_back_to_a_smaller_one_for_good(kernel):
     """A default config can exceed shared memory for a heavy kernel (OutOfResources at its first

@@ -397,6 +397,34 @@ def region_direct(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
     return REGISTRY[key].infer(inputs)
 
 
+class RegionFunction(torch.autograd.Function):
+    """``flashlight::region`` and its registered autograd without the dispatcher: what an FX
+    graph that runs as is calls where it may be differentiated. The custom op's Python autograd
+    layer (pytree flattening, redispatch, and a second op for the backward) cost more host time
+    per training step than the four kernel launches (docs/notes.md, session 5); the saved
+    tensors and the kernels are the same."""
+
+    @staticmethod
+    def forward(ctx, key: str, *tensors: torch.Tensor):
+        out, rowstats = REGISTRY[key].run(list(tensors))
+        ctx.key = key
+        ctx.mark_non_differentiable(rowstats)
+        ctx.save_for_backward(*tensors, rowstats)      # the inputs and O(M) row statistics
+        return out, rowstats
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _grad_rowstats):
+        *tensors, rowstats = ctx.saved_tensors
+        grads = REGISTRY[ctx.key].backward(tensors, rowstats, grad)
+        return None, *[g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
+
+
+def region_train_direct(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flashlight::region`` (with autograd) for an FX graph that runs as is."""
+    return RegionFunction.apply(key, *inputs)
+
+
 @torch.library.custom_op("flashlight::region_backward", mutates_args=())
 def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
                     grad: torch.Tensor) -> list[torch.Tensor]:
