@@ -56,6 +56,21 @@ def host_us(fn, calls: int = 100) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def host_profile(fn, calls: int = 200, top: int = 25) -> None:
+    """cProfile's top entries (by own time) over ``calls`` calls: where the host time goes."""
+    import cProfile
+    import pstats
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--variants", default="causal")
@@ -65,6 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--step", action="store_true", help="forward + backward (gradients of the floating inputs)")
     p.add_argument("--flex", action="store_true", help="also profile FlexAttention's call (cached block mask)")
+    p.add_argument("--profile", action="store_true", help="cProfile the host side of 200 calls (top entries)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = p.parse_args(argv)
@@ -98,6 +114,8 @@ def main(argv=None) -> int:
                   f"do_bench {ms * 1e3:.1f} µs, kernels {gpu:.1f} µs, host {host:.1f} µs", flush=True)
             for k, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
                 print(f"    {us:9.1f} µs  x{n:g}  {k}")
+            if args.profile:
+                host_profile(call)
                 rows.append(dict(variant=name, system=system, d=args.d, n=args.n, step=args.step,
                                  call_us=ms * 1e3, host_us=host, kernel=k, kernel_us=us, launches=n))
     out_dir = os.environ.get("OUT") or args.out

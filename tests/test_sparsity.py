@@ -113,3 +113,38 @@ def test_causal_kernel_has_mask_free_full_segment():
     r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=70, D=16)).regions[0]
     full_loop = r.kernel_source.split("# full blocks: no masks")[1].split("for start_n")[0]
     assert "tl.where(t" not in full_loop and "offs_m" not in full_loop.split("tl.dot")[1]
+
+
+@pytest.mark.parametrize("example", ["document_mask", "key_padding"])
+def test_blocks_wider_than_a_statistics_entry(example):
+    """GPU-sized blocks in the interpreter: each kernel reduces the BLOCK // STAT_BLOCK entries of
+    its blocks (the last one repeated past a ragged end), the forward, dK/dV and dQ each under a
+    different config; documents of length 1 and an empty key row included. Output and gradients
+    against float64."""
+    from flashlight.examples import load
+    from flashlight.runtime.op import REGISTRY
+    from flashlight.tune import Config, bucket
+    mod = load(example)
+    if example == "document_mask":
+        q, k, v, ids = mod.make_inputs(B=2, H=2, M=100, D=16)
+        ids = torch.tensor([[0] + [1] * 40 + [2] + list(range(3, 61)), [0] * 99 + [1]], dtype=torch.int32)
+    else:
+        q, k, v, ids = mod.make_inputs(B=3, H=2, M=70, N=100, D=16, lengths=[0, 1, 77])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    c = REGISTRY[flashlight.explain(mod.attention, *leaves, ids).regions[0].key]
+    b = bucket(c.region.M, c.region.N, 1 if c.region.batch == () else int(torch.tensor(c.region.batch).prod()))
+    for kernel, cfg in (("fwd", Config(32, 64, 4, 1)), ("dkdv", Config(32, 64, 4, 1)), ("dq", Config(64, 32, 4, 1))):
+        c.tuned[b if kernel == "fwd" else (kernel, *b)] = cfg
+    try:
+        torch._dynamo.reset()
+        out = torch.compile(mod.attention, backend="flashlight")(*leaves, ids)
+        ref64 = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        ref = mod.attention(*ref64, ids).nan_to_num(0)
+        assert rel_error(out, ref) < 1e-5
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, leaves, dout)
+        want = torch.autograd.grad(ref, ref64, dout.double())
+        assert max(rel_error(a, w) for a, w in zip(got, want)) < 1e-4
+        assert c.bwd_launches > 0
+    finally:
+        c.tuned.clear()

@@ -407,7 +407,7 @@ class DKDVWriter(TileWriter):
                     "mblk_valid = pid_m < tl.cdiv(M, BLOCK_M)",
                     "m_lo = pid_m * BLOCK_M",
                     "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1"]
-            iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh, {"m": "mblk_valid", "n": "blk_valid"})
+            iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh, vector="m")
             live = iw.live(dead)
             _, may_f = iw.truth(keep)
             ff, fe = f("ff"), f("fe")

@@ -41,13 +41,14 @@ class BackwardKernels:
         return bufs
 
     @staticmethod
-    def results(inputs: list[torch.Tensor], bufs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-        """Each gradient in its input's dtype and layout (what the fake implementation promises)."""
+    def results(inputs: list[torch.Tensor], bufs: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+        """Each gradient in its input's dtype and layout (what the fake implementation promises);
+        None for integer and bool inputs (ids, masks), which have none."""
         out = []
         for i, x in enumerate(inputs):
             g = bufs.get(i)
             if g is None:
-                out.append(torch.zeros_like(x))
+                out.append(torch.zeros_like(x) if x.is_floating_point() else None)
             elif g.dtype == x.dtype and g.stride() == x.stride():
                 out.append(g)
             else:
@@ -76,18 +77,18 @@ class BackwardKernels:
             *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
         return drow, ddot
 
-    def launch_dkdv(self, inputs, rowstats, drows, bufs, cfg: Config) -> None:
+    def launch_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
         from .op import block_stat_args
         r = self.region
         args = self.common(inputs, bufs, "dkdv", rowstats, *drows)
-        args += block_stat_args(self.stats.dkdv, inputs, cfg) + [*r.batch, r.M, r.N]
+        args += block_stat_args(self.stats.dkdv, inputs, block_stats) + [*r.batch, r.M, r.N]
         self.dkdv[(cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))](
             *args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)),
             BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
 
-    def launch_dq(self, inputs, rowstats, drows, bufs, cfg: Config) -> None:
+    def launch_dq(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
         from .op import block_stat_args, launch_meta
         r = self.region
         args = self.common(inputs, bufs, "dq", rowstats, *drows)
-        args += block_stat_args(self.stats.dq, inputs, cfg) + [*r.batch, r.M, r.N]
+        args += block_stat_args(self.stats.dq, inputs, block_stats) + [*r.batch, r.M, r.N]
         self.dq[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](*args, **launch_meta(r, cfg))

@@ -105,7 +105,7 @@ class SplitKernels:
         ws = torch.empty(p.workspace, dtype=torch.float32, device=device)
         if stats:
             rowstats = rowstats.view(*p.row_shape, rowstats.shape[-1])     # packed rows: same memory order
-        args = [*kernel_args(r, self.stats, inputs, views, rowstats, cfg), ws, p.splits, p.per]
+        args = [*kernel_args(r, self.stats, inputs, views, rowstats), ws, p.splits, p.per]
         self.split[p.split_grid](*args, **p.meta)
         self.combine[p.combine_grid](*args, **p.meta)
         self.launches += 1

@@ -27,7 +27,7 @@ from ..codegen.gradients import grad_plan
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import rowstat_columns
-from ..sparsity import dead_predicate, useful
+from ..sparsity import STAT_BLOCK, dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, rows_config, smaller)
 from . import decode
@@ -170,7 +170,7 @@ class CompiledRegion:
             meta = self.metas.get((cfg, stats))
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
                 meta = self.metas[cfg, stats] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)), launch_meta(r, cfg, stats))
-            self.kernel[meta[0]](*kernel_args(r, self.stats, inputs, outs, rowstats, cfg), **meta[1])
+            self.kernel[meta[0]](*kernel_args(r, self.stats, inputs, outs, rowstats), **meta[1])
         self.launches += 1
         return outs, (rowstats if stats else None)
 
@@ -220,19 +220,20 @@ class CompiledRegion:
         return best
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor | None]:
         """The generated kernels: row gradients, then dK/dV (and the body loads' gradients) over
-        key blocks, then dQ over query blocks, each tile kernel under its own config."""
+        key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
+        bool inputs may get None."""
         k = self.bwd_kernel
         if k is None or not self.uses_kernel(inputs):
             return self.reference_backward(inputs, grad)
         cuda = inputs[0].device.type == "cuda" and not interpreting()
         rows = rows_config(head_block(self.region.DV)) if cuda else INTERPRETER
-        bufs = k.buffers(inputs)
+        bufs, block_stats = k.buffers(inputs), {}     # block_stats: shared by the two tile kernels
         drows = k.launch_rows(inputs, rowstats, grad, bufs, rows)
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
-            self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drows, bufs, cfg), kernel,
-                         tune=lambda cfg, run=launch: run(inputs, rowstats, drows, k.buffers(inputs), cfg))
+            self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
+                         tune=lambda cfg, run=launch: run(inputs, rowstats, drows, k.buffers(inputs), block_stats, cfg))
         self.bwd_launches += 1
         return k.results(inputs, bufs)
 
@@ -257,7 +258,7 @@ class CompiledRegion:
 
 
 def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: list[torch.Tensor],
-                rowstats: torch.Tensor, cfg: Config) -> list:
+                rowstats: torch.Tensor) -> list:
     """Positional arguments of a generated kernel: inputs, outputs (with strides), the row
     statistics for the backward (*batch, M, W), the block statistics its sparsity scan reads,
     and the sizes."""
@@ -265,7 +266,7 @@ def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: 
     for x in [*inputs, *outs]:
         args += [x, *x.stride()]
     args += [rowstats, r.M * rowstats.shape[-1], rowstats.shape[-1]]
-    args += block_stat_args(block_stats, inputs, cfg)
+    args += block_stat_args(block_stats, inputs)
     return args + [*r.batch, r.M, r.N]
 
 
@@ -301,14 +302,15 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
     return 1.0 - visited.float().mean().item()
 
 
-def block_stat_args(block_stats: list, inputs: list[torch.Tensor], cfg: Config) -> list:
-    """Kernel arguments of the per-block min/max a sparsity test reads (sparsity.BlockStat);
-    ids read along m and along n are reduced once when the blocks agree."""
-    args, cache = [], {}
+def block_stat_args(block_stats: list, inputs: list[torch.Tensor], cache: dict | None = None) -> list:
+    """Kernel arguments of the per-block min/max a sparsity test reads (sparsity.BlockStat),
+    per STAT_BLOCK positions whatever the kernel's blocks; ``cache`` (one per call) shares them
+    between the backward's two tile kernels."""
+    args, cache = [], {} if cache is None else cache
     for st in block_stats:
-        key = (st.input, st.dim, cfg.BLOCK_M if st.var == "m" else cfg.BLOCK_N)
+        key = (st.input, st.dim)
         if key not in cache:
-            cache[key] = block_minmax(inputs[st.input], st.dim, key[2])
+            cache[key] = block_minmax(inputs[st.input], st.dim, STAT_BLOCK)
         lo, hi = cache[key]
         args += [lo, hi, *lo.stride()]
     return args
@@ -317,18 +319,19 @@ def block_stat_args(block_stats: list, inputs: list[torch.Tensor], cfg: Config) 
 def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Min and max of ``x`` over blocks of ``block`` along ``dim`` (O(numel), every call).
 
-    Few launches on purpose — this runs on the host path of every call: the ragged last block is
-    padded by repeating the last element (neutral for both min and max), one ``aminmax`` reduces,
-    and the results are strided views (the kernel takes their strides), not copies."""
+    Few host calls on purpose — this runs on the host path of every call: the ragged last block
+    is padded by repeating the last element (neutral for both min and max), one ``aminmax``
+    reduces, and the results are strided views (the kernel takes their strides), not copies."""
     if x.dtype == torch.bool:
         x = x.view(torch.uint8)
     n = x.shape[dim]
     nb = cdiv(n, block)
-    xt = x.movedim(dim, -1)
+    last = dim in (-1, x.dim() - 1)
+    xt = x if last else x.movedim(dim, -1)
     if nb * block != n:
         xt = torch.cat([xt, xt[..., -1:].expand(*xt.shape[:-1], nb * block - n)], -1)
     lo, hi = torch.aminmax(xt.unflatten(-1, (nb, block)), dim=-1)
-    return lo.movedim(-1, dim), hi.movedim(-1, dim)
+    return (lo, hi) if last else (lo.movedim(-1, dim), hi.movedim(-1, dim))
 
 
 def compile_region(region: Region) -> CompiledRegion:
@@ -409,6 +412,7 @@ class RegionFunction(torch.autograd.Function):
         out, rowstats = REGISTRY[key].run(list(tensors))
         ctx.key = key
         ctx.mark_non_differentiable(rowstats)
+        ctx.set_materialize_grads(False)       # no zero fill for the row statistics' (absent) gradient
         ctx.save_for_backward(*tensors, rowstats)      # the inputs and O(M) row statistics
         return out, rowstats
 
@@ -416,6 +420,8 @@ class RegionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _grad_rowstats):
         *tensors, rowstats = ctx.saved_tensors
+        if grad is None:        # the output did not reach the loss
+            return None, *[None] * len(tensors)
         grads = REGISTRY[ctx.key].backward(tensors, rowstats, grad)
         return None, *[g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
 
@@ -428,7 +434,8 @@ def region_train_direct(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Ten
 @torch.library.custom_op("flashlight::region_backward", mutates_args=())
 def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
                     grad: torch.Tensor) -> list[torch.Tensor]:
-    return REGISTRY[key].backward(list(inputs), rowstats, grad)
+    grads = REGISTRY[key].backward(list(inputs), rowstats, grad)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]     # the schema: tensors
 
 
 @region_backward.register_fake

@@ -11,6 +11,11 @@ Two steps, both derived from the IR of the user's program:
    statistics (``BlockStat``) that the runtime recomputes on every call at O(N) cost, so changing
    document ids never recompiles and is never stale. A block is skipped only when D is provably
    true on all of it.
+
+The statistics are kept per ``STAT_BLOCK`` positions, whatever the kernels' block sizes: each
+kernel reduces the BLOCK // STAT_BLOCK entries of its blocks, so one reduction per call serves
+the forward and both backward tile kernels (each a different BLOCK_M x BLOCK_N). On the H200
+host each extra reduction cost ~60 µs of launch time per step (docs/notes.md, session 5).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from ..ir import Expr, Region, call, const, free_vars, refs, substitute, walk
 
 TRUE, FALSE = const(True), const(False)
 NEG_INF = float("-inf")
+STAT_BLOCK = 16     # positions per min/max entry: divides every block size a kernel is launched with
 
 
 def _pos_const(e: Expr) -> bool:
@@ -120,11 +126,12 @@ def useful(dead: Expr) -> bool:
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BlockStat:
-    """Per-block min and max of input ``input`` along ``dim``, in blocks of BLOCK_M (var m) or
-    BLOCK_N (var n); the kernel reads them as aux{k}_min / aux{k}_max with the input's other dims."""
+    """Min and max of input ``input`` along ``dim`` per ``STAT_BLOCK`` positions; the kernel
+    reads them as aux{k}_min / aux{k}_max with the input's other dims and reduces the entries of
+    its BLOCK_M or BLOCK_N blocks, as the load's index is m or n (one statistic serves both: ids
+    compared along m and along n)."""
     input: int
     dim: int
-    var: str
 
 
 EXACT = {"add": "{0} + {1}", "sub": "{0} - {1}", "neg": "-{0}", "mul": "{0} * {1}",
@@ -136,12 +143,11 @@ EXACT = {"add": "{0} + {1}", "sub": "{0} - {1}", "neg": "-{0}", "mul": "{0} * {1
 class IntervalWriter:
     """Emits scalar Triton code for the interval of an expression over one (M, N) block."""
 
-    def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh,
-                 valid: dict[str, str] | None = None):
-        """``valid``: for the var(s) whose blocks the code scans as a vector (the forward: key
-        blocks ``blk``; the backward: query blocks ``pid_m``), the name of the in-range mask."""
+    def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh, vector: str = "n"):
+        """``vector``: the var whose blocks the code scans as a vector (the forward and dQ: key
+        blocks ``blk``; dK/dV: query blocks ``pid_m``); the other var's block is a scalar."""
         self.r, self.stats, self.lines, self.fresh = region, stats, lines, fresh
-        self.valid = {"n": "blk_valid"} if valid is None else valid
+        self.vector = vector
         self.memo: dict[Expr, tuple[str, str] | None] = {}
 
     def live(self, dead: Expr) -> str:
@@ -256,17 +262,24 @@ class IntervalWriter:
         if len(inner) != 1 or inner[0][1].op != "var" or inner[0][1].args[0] not in ("m", "n"):
             return None
         d, v = inner[0]
-        stat = BlockStat(i, d, v.args[0])
+        stat, var = BlockStat(i, d), v.args[0]
         if stat not in self.stats:
             self.stats.append(stat)
         k = self.stats.index(stat)
-        blk = "pid_m" if stat.var == "m" else "blk"
-        offs = [f"{blk if dd == d else self._index(x)} * aux{k}_s{dd}" for dd, x in enumerate(idx)
+        blk, block, size = ("pid_m", "BLOCK_M", "M") if var == "m" else ("blk", "BLOCK_N", "N")
+        # the block's STAT_BLOCK entries, clamped to the last one: a repeat is neutral for min and
+        # max, and keeps blocks past the end (masked later) in bounds
+        vec = var == self.vector
+        sub = f"tl.arange(0, {block} // {STAT_BLOCK})"
+        first = f"{blk}[:, None] * ({block} // {STAT_BLOCK}) + {sub}[None, :]" if vec else \
+            f"{blk} * ({block} // {STAT_BLOCK}) + {sub}"
+        entry = self._let(f"tl.minimum({first}, ({size} - 1) // {STAT_BLOCK})")
+        offs = [f"{entry if dd == d else self._index(x)} * aux{k}_s{dd}" for dd, x in enumerate(idx)
                 if dd == d or not (x.op == "const" and x.args[0] == 0)]
         off = " + ".join(offs)
-        mask = f", mask={self.valid[stat.var]}, other=0" if stat.var in self.valid else ""  # one entry per block
-        return (self._let(f"tl.load(aux{k}_min + {off}{mask})"),
-                self._let(f"tl.load(aux{k}_max + {off}{mask})"))
+        axis = 1 if vec else 0
+        return (self._let(f"tl.min(tl.load(aux{k}_min + {off}), {axis})"),
+                self._let(f"tl.max(tl.load(aux{k}_max + {off}), {axis})"))
 
     def _index(self, x: Expr) -> str:
         iv = self.interval(x)
