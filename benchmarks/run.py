@@ -3,6 +3,7 @@
     python -m benchmarks.run --suite flex                  # or sparsity, beyond, training, decode
     python -m benchmarks.run --suite all --quick           # fewer shapes
     python -m benchmarks.run --suite flex --only causal,alibi --rep 100
+    python -m benchmarks.run --suite flex --shapes 16x1024,1x16384    # some (B, N) of the suite
     TRITON_INTERPRET=1 python -m benchmarks.run --suite all --device cpu --tiny    # plumbing check
 
 Every case times Flashlight and its competitors on the same inputs (``measure.py``), checks each
@@ -61,6 +62,9 @@ def select(args) -> list[suites.Case]:
     if args.only:
         only = {v.strip() for v in args.only.split(",")}
         cases = [c for c in cases if c.variant in only or c.program in only]
+    if args.shapes:
+        shapes = {tuple(int(x) for x in s.strip().lower().split("x")) for s in args.shapes.split(",")}
+        cases = [c for c in cases if (c.B, c.N) in shapes]
     return cases
 
 
@@ -131,6 +135,7 @@ def parse_args(argv=None):
     size.add_argument("--quick", action="store_true", help="fewer shapes")
     size.add_argument("--tiny", action="store_true", help="tiny shapes (CPU plumbing check)")
     p.add_argument("--only", help="comma list of variant (or program) names")
+    p.add_argument("--shapes", help="comma list of BxN (batch x key length) to keep, e.g. 16x1024,1x16384")
     p.add_argument("--backends", help="comma list of backends to run (default: each case's): "
                    + ", ".join(suites.BACKENDS))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

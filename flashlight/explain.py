@@ -103,7 +103,7 @@ class Report:
 def region_report(c) -> RegionReport:
     r = c.region
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
-    backward = "generated (float64 inputs use the reference VJP)" if c.bwd_kernel is not None else \
+    backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
         f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
     return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
                         backward, c.bwd_source)

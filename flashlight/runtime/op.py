@@ -57,6 +57,7 @@ class CompiledRegion:
     max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
     sparse: bool = False             # the mask may skip key blocks (picks the default config)
     bwd_kernel: BackwardKernels | None = None    # generated backward, or None: the reference VJP (bwd_reason says why)
+    bwd_compiled: bool = False       # compile_backward ran (at the first backward or explain(): not on inference paths)
     bwd_name: str = ""
     bwd_source: str = ""             # all three backward kernels (row gradients, dK/dV, dQ)
     bwd_reason: str = ""
@@ -224,7 +225,7 @@ class CompiledRegion:
         """The generated kernels: row gradients, then dK/dV (and the body loads' gradients) over
         key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
         bool inputs may get None."""
-        k = self.bwd_kernel
+        k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs):
             return self.reference_backward(inputs, grad)
         cuda = inputs[0].device.type == "cuda" and not interpreting()
@@ -236,6 +237,13 @@ class CompiledRegion:
                          tune=lambda cfg, run=launch: run(inputs, rowstats, drows, k.buffers(inputs), block_stats, cfg))
         self.bwd_launches += 1
         return k.results(inputs, bufs)
+
+    def backward_kernels(self) -> BackwardKernels | None:
+        """The generated backward, compiled at first use (~0.1 s of a first call that inference
+        never needs); None when the region uses the reference VJP (``bwd_reason``)."""
+        if not self.bwd_compiled:
+            compile_backward(self)
+        return self.bwd_kernel
 
     def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
@@ -348,7 +356,6 @@ def compile_region(region: Region) -> CompiledRegion:
         kernel = fast_launch(getattr(module, name), interpreting())
         c = CompiledRegion(region, source, name, path, kernel, stats, key=key,
                            sparse=useful(dead_predicate(region, region.passes()[0])))
-        compile_backward(c)
         REGISTRY[key] = c
     return REGISTRY[key]
 
@@ -356,6 +363,7 @@ def compile_region(region: Region) -> CompiledRegion:
 def compile_backward(c: CompiledRegion) -> None:
     """Generate and import the region's backward kernels, or record why it uses the reference."""
     placeholder = "fl_bwd"
+    c.bwd_compiled = True
     try:
         source, stats = generate_backward(c.region, placeholder, interpret=interpreting(),
                                           allow_tf32=torch.backends.cuda.matmul.allow_tf32)
