@@ -380,3 +380,24 @@ def test_fast_launch_reuses_a_kernel_only_for_the_same_specialisation():
     for scalar in (True, 1.0):  # hash like 1, typed apart by Triton (u1, fp32)
         k[(3, 2)](x, scalar, 64, BLOCK=16, num_warps=8)
     assert len(fn.compiled) == before + 6
+
+
+def test_plain_softmax_saves_two_floats_per_row_and_rebuilds_the_product_from_the_output():
+    """out = (P @ V) / l: the forward saves only the max and the sum per row (the product is
+    out * l, read back from the output, as FA2 reads O), and a backward call without the output
+    — a graph compiled before the op took it — falls back to the reference VJP, still exact."""
+    from flashlight.ir.region import from_output
+    from flashlight.runtime.op import REGISTRY
+    q, k, v = causal.make_inputs(B=1, H=2, M=33, D=16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    c = REGISTRY[flashlight.explain(causal.attention, *leaves).regions[0].key]
+    assert from_output(c.region) and c.rowstats_shape[-1] == 2
+    out, rowstats = torch.ops.flashlight.region(c.key, [q, k, v])
+    grad = torch.randn_like(out)
+    ref64 = [to64(x).requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(causal.attention(*ref64), ref64, grad.double())
+    for extra, generated in (([out], 1), ([], 0)):
+        before = c.bwd_launches
+        got = torch.ops.flashlight.region_backward(c.key, [q, k, v], rowstats, grad, *extra)
+        assert max(rel_error(a, b) for a, b in zip(got, want)) < 1e-3
+        assert c.bwd_launches - before == generated

@@ -31,7 +31,7 @@ import torch
 
 from ..ir import Expr, Region, call, dot, free_vars, red, refs, walk
 from ..ir.derivative import not_differentiable, tile, vjp
-from ..ir.region import rowstat_columns
+from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
@@ -143,11 +143,16 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
     ]
     block.lines.append(f"do = tl.load(dout_ptr + {out_offsets(region, em, block, 'dout')}, mask=mask_o, "
                        "other=0.0).to(tl.float32)")
-    for j in sorted(refs(region.out, "red")):
+    rebuilt = from_output(region)
+    for j in sorted(refs(region.out, "red"), key=lambda j: j in rebuilt):     # a rebuilt product's sum first
         reduction = region.reductions[j]
-        dv = " + offs_dv[None, :]" if reduction.kind == "dot" else ""
-        mask = "mask_o" if reduction.kind == "dot" else "mask_m[:, None]"
-        block.lines.append(f"r{j} = tl.load(rowstats_ptr + row + {cols[j]}{dv}, mask={mask}, other=0.0)")
+        if j in rebuilt:        # red_j = out * red_k: the stored output (FA2 reads O for its D)
+            block.lines.append(f"r{j} = tl.load(out_ptr + {out_offsets(region, em, block, 'out')}, mask=mask_o, "
+                               f"other=0.0).to(tl.float32) * r{rebuilt[j]}")
+        else:
+            dv = " + offs_dv[None, :]" if reduction.kind == "dot" else ""
+            mask = "mask_o" if reduction.kind == "dot" else "mask_m[:, None]"
+            block.lines.append(f"r{j} = tl.load(rowstats_ptr + row + {cols[j]}{dv}, mask={mask}, other=0.0)")
         em.red_names[j] = f"r{j}"
     adjoints = vjp({region.out: tile("do")})
     for j, reduction in enumerate(region.reductions):
@@ -162,6 +167,7 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
                                "mask=mask_m[:, None])")
     scatter(em, adjoints, CTX_O, block, plan.stored, "mask_o")
     args = tensor_args(region, "in", range(len(region.inputs))) + tensor_args(region, "g", plan.written("rows"))
+    args += ["out_ptr", *[f"out_s{d}" for d in range(len(region.result_shape))]]
     args += ["dout_ptr", *[f"dout_s{d}" for d in range(len(region.result_shape))],
              "rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm", "ddot_ptr", "ddot_sb", "ddot_sm"]
     args += [f"B{d}" for d in range(nb)] + ["M", "DV: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_DV: tl.constexpr"]

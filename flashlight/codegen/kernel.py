@@ -312,6 +312,8 @@ class KernelWriter:
                              "# gradient is needed (flashlight::region_infer)", "if STATS:"]
         row = "rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm"
         for j, (red, c) in enumerate(zip(self.r.reductions, rowstat_columns(self.r)[0])):
+            if c is None:
+                continue        # recomputed from the output (ir.region.from_output)
             if red.kind == "dot":
                 self.outer.lines.append(f"    tl.store({row} + {c} + offs_dv[None, :], r{j}, "
                                         "mask=mask_m[:, None] & mask_dv[None, :])")

@@ -13,7 +13,7 @@ import torch
 
 from . import philox
 from .expr import Expr, walk
-from .region import Region
+from .region import Region, rowstat_columns
 
 OPS: dict[str, Callable] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
@@ -146,8 +146,9 @@ def evaluate_with_rowstats(region: Region, inputs: Sequence[torch.Tensor]) -> tu
     """``evaluate``, and the fp32 row statistics the forward kernel saves (``rowstat_columns``)."""
     ev = Evaluator(region, inputs)
     out = ev.run()
+    cols, _ = rowstat_columns(region)
     stats = [torch.where(torch.isneginf(x), 0.0, x) if r.kind == "max" else x
-             for x, r in zip(ev.reds, region.reductions)]
+             for x, r, c in zip(ev.reds, region.reductions, cols) if c is not None]
     return out, torch.cat([x.float() for x in stats], -1)
 
 

@@ -139,14 +139,28 @@ class Region:
         return "\n".join(lines)
 
 
-def rowstat_columns(region: Region) -> tuple[list[int], int]:
+def from_output(region: Region) -> dict[int, int]:
+    """P @ V products the backward recomputes from the stored output instead of saving them:
+    {j: k} when the output is exactly ``red_j / red_k`` (a product over a sum, no epilogue, no
+    row outputs), so red_j = out * red_k — FA2's D = rowsum(dO * O) reads O the same way. Saves
+    a [*batch, M, DV] fp32 tensor per call (twice a bf16 output) and its write and read."""
+    o = region.out
+    if region.rows or o.op not in ("div", "div_safe") or any(a.op != "red" for a in o.args):
+        return {}
+    j, k = (a.args[0] for a in o.args)
+    kinds = (region.reductions[j].kind, region.reductions[k].kind)
+    return {j: k} if kinds == ("dot", "sum") else {}
+
+
+def rowstat_columns(region: Region) -> tuple[list[int | None], int]:
     """Layout of the fp32 statistics the forward saves for the backward, [*batch, M, W]: each
-    reduction's final value from its first column (one for max and sum, DV for a P @ V product);
-    a max is stored as the shift the bodies used (-inf -> 0). Returns (first columns, W)."""
-    cols, w = [], 0
-    for red in region.reductions:
-        cols.append(w)
-        w += region.DV if red.kind == "dot" else 1
+    reduction's final value from its first column (one for max and sum, DV for a P @ V product;
+    None for a product recomputed from the output, ``from_output``); a max is stored as the
+    shift the bodies used (-inf -> 0). Returns (first columns, W)."""
+    cols, w, skip = [], 0, from_output(region)
+    for j, red in enumerate(region.reductions):
+        cols.append(None if j in skip else w)
+        w += 0 if j in skip else region.DV if red.kind == "dot" else 1
     return cols, w
 
 

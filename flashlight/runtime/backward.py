@@ -55,24 +55,26 @@ class BackwardKernels:
                 out.append(torch.empty_like(x).copy_(g))
         return out
 
-    def common(self, inputs, bufs, kernel: str, rowstats, drow, ddot, dout=None) -> list:
+    def common(self, inputs, bufs, kernel: str, rowstats, drow, ddot, out=None, dout=None) -> list:
         r, args = self.region, []
         for x in inputs:
             args += [x, *x.stride()]
         for i in self.plan.written(kernel):
             args += [bufs[i], *bufs[i].stride()]
-        if dout is not None:
-            args += [dout, *dout.stride()]
+        if dout is not None:        # the row kernel: the forward's output and its gradient
+            args += [out, *out.stride(), dout, *dout.stride()]
         return args + [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1], ddot, *ddot.stride()[:2]]
 
-    def launch_rows(self, inputs, rowstats, grad, bufs, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch_rows(self, inputs, rowstats, out, grad, bufs, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         """dL/dr_j: of the row sums into a tensor laid out like the row statistics (only the
         columns the tile kernels read are written, so it needs no zero fill), of the P @ V
-        products into their own [batch, M, width] tensor (``codegen.backward.DotGrads``)."""
+        products into their own [batch, M, width] tensor (``codegen.backward.DotGrads``).
+        ``out``: the forward's output, from which a plain softmax's product is recomputed
+        (``ir.region.from_output``)."""
         r, dg = self.region, self.stats.dot_grads
         drow = torch.empty_like(rowstats)
         ddot = torch.empty((math.prod(r.batch), r.M, dg.width), dtype=dg.dtype, device=rowstats.device)
-        args = self.common(inputs, bufs, "rows", rowstats, drow, ddot, dout=grad) + [*r.batch, r.M]
+        args = self.common(inputs, bufs, "rows", rowstats, drow, ddot, out=out, dout=grad) + [*r.batch, r.M]
         self.rows[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
             *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
         return drow, ddot

@@ -26,7 +26,7 @@ from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gradients import grad_plan
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate, evaluate_all, evaluate_with_rowstats
-from ..ir.region import rowstat_columns
+from ..ir.region import from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, rows_config, smaller)
@@ -221,17 +221,19 @@ class CompiledRegion:
         return best
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor | None]:
+    def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, out: torch.Tensor | None,
+                 grad: torch.Tensor) -> list[torch.Tensor | None]:
         """The generated kernels: row gradients, then dK/dV (and the body loads' gradients) over
         key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
-        bool inputs may get None."""
+        bool inputs may get None. ``out``: the forward's output (None from a graph compiled
+        before the op took it)."""
         k = self.backward_kernels()
-        if k is None or not self.uses_kernel(inputs):
+        if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
             return self.reference_backward(inputs, grad)
         cuda = inputs[0].device.type == "cuda" and not interpreting()
         rows = rows_config(head_block(self.region.DV)) if cuda else INTERPRETER
         bufs, block_stats = k.buffers(inputs), {}     # block_stats: shared by the two tile kernels
-        drows = k.launch_rows(inputs, rowstats, grad, bufs, rows)
+        drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
             self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
                          tune=lambda cfg, run=launch: run(inputs, rowstats, drows, k.buffers(inputs), block_stats, cfg))
@@ -421,16 +423,16 @@ class RegionFunction(torch.autograd.Function):
         ctx.key = key
         ctx.mark_non_differentiable(rowstats)
         ctx.set_materialize_grads(False)       # no zero fill for the row statistics' (absent) gradient
-        ctx.save_for_backward(*tensors, rowstats)      # the inputs and O(M) row statistics
+        ctx.save_for_backward(*tensors, rowstats, out)      # the inputs, O(M) row statistics, the output
         return out, rowstats
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _grad_rowstats):
-        *tensors, rowstats = ctx.saved_tensors
+        *tensors, rowstats, out = ctx.saved_tensors
         if grad is None:        # the output did not reach the loss
             return None, *[None] * len(tensors)
-        grads = REGISTRY[ctx.key].backward(tensors, rowstats, grad)
+        grads = REGISTRY[ctx.key].backward(tensors, rowstats, out, grad)
         return None, *[g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
 
 
@@ -440,15 +442,18 @@ def region_train_direct(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Ten
 
 
 @torch.library.custom_op("flashlight::region_backward", mutates_args=())
-def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
-                    grad: torch.Tensor) -> list[torch.Tensor]:
-    grads = REGISTRY[key].backward(list(inputs), rowstats, grad)
+def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
+                    out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``out`` last and optional: a backward graph compiled (and cached on disk by Inductor)
+    before it was an argument still calls this op correctly (the reference VJP then serves
+    regions whose backward reads the output)."""
+    grads = REGISTRY[key].backward(list(inputs), rowstats, out, grad)
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]     # the schema: tensors
 
 
 @region_backward.register_fake
-def _region_backward_fake(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor,
-                          grad: torch.Tensor) -> list[torch.Tensor]:
+def _region_backward_fake(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
+                          out: torch.Tensor | None = None) -> list[torch.Tensor]:
     return [torch.empty_like(x) for x in inputs]     # each gradient in its input's layout
 
 
@@ -456,12 +461,12 @@ def _setup_context(ctx, inputs, output):
     key, tensors = inputs
     ctx.key = key
     ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(*tensors, output[1])      # the inputs and O(M) row statistics
+    ctx.save_for_backward(*tensors, output[1], output[0])      # the inputs, O(M) row statistics, the output
 
 
 def _backward(ctx, grad, _grad_rowstats):
-    *tensors, rowstats = ctx.saved_tensors
-    grads = region_backward(ctx.key, tensors, rowstats, grad)
+    *tensors, rowstats, out = ctx.saved_tensors
+    grads = region_backward(ctx.key, tensors, rowstats, grad, out)
     return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
 
 

@@ -114,6 +114,5 @@ def fl_fwd_snapshot(
     if STATS:
         tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 0, r0_s, mask=mask_m[:, None])
         tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 1, r1, mask=mask_m[:, None])
-        tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 2 + offs_dv[None, :], r2, mask=mask_m[:, None] & mask_dv[None, :])
     t14 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
     tl.store(out_ptr + b0 * out_s0 + offs_m[:, None] * out_s1 + offs_dv[None, :] * out_s2, t14.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])

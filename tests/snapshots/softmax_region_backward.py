@@ -286,6 +286,10 @@ def fl_bwd_snapshot_rows(
     in2_s0,
     in2_s1,
     in2_s2,
+    out_ptr,
+    out_s0,
+    out_s1,
+    out_s2,
     dout_ptr,
     dout_s0,
     dout_s1,
@@ -314,7 +318,7 @@ def fl_bwd_snapshot_rows(
     row = pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm
     do = tl.load(dout_ptr + b0 * dout_s0 + offs_m[:, None] * dout_s1 + offs_dv[None, :] * dout_s2, mask=mask_o, other=0.0).to(tl.float32)
     r1 = tl.load(rowstats_ptr + row + 1, mask=mask_m[:, None], other=0.0)
-    r2 = tl.load(rowstats_ptr + row + 2 + offs_dv[None, :], mask=mask_o, other=0.0)
+    r2 = tl.load(out_ptr + b0 * out_s0 + offs_m[:, None] * out_s1 + offs_dv[None, :] * out_s2, mask=mask_o, other=0.0).to(tl.float32) * r1
     t1 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
     t2 = (do * t1)
     t3 = (tl.where(r1 == 0, 0.0, t2 / tl.where(r1 == 0, 1.0, r1)))
