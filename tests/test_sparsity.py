@@ -148,3 +148,25 @@ def test_blocks_wider_than_a_statistics_entry(example):
         assert c.bwd_launches > 0
     finally:
         c.tuned.clear()
+
+
+def test_one_statistics_reduction_per_training_step(monkeypatch):
+    """The document ids' block min/max is computed once per step: the forward's serves its
+    backward's two tile kernels (the ids are saved tensors, so an in-place change in between
+    is an autograd error, not a stale statistic)."""
+    from flashlight.runtime import op as rt
+    calls = []
+    real = rt.block_minmax
+    monkeypatch.setattr(rt, "block_minmax", lambda *a: calls.append(a[1:]) or real(*a))
+    q, k, v, ids = document_mask.make_inputs(B=2, H=2, M=50, D=16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch._dynamo.reset()
+    fn = torch.compile(document_mask.attention, backend="flashlight")
+    out = fn(*leaves, ids)
+    assert len(calls) == 1
+    out.sum().backward()
+    assert len(calls) == 1 and all(x.grad is not None for x in leaves)
+    out = fn(*leaves, ids)
+    ids.add_(0)       # an in-place change after the forward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -89,7 +89,7 @@ class SplitKernels:
     plans: dict = field(default_factory=dict)     # (config, stats, device, FORCE_SPLITS) -> LaunchPlan | None
 
     def launch(self, inputs: list[torch.Tensor], outs: list[torch.Tensor], rowstats: torch.Tensor, cfg,
-               stats: bool = True) -> bool:
+               stats: bool = True, block_stats: dict | None = None) -> bool:
         """Run split + combine into ``outs`` and ``rowstats`` (*batch, M, W; a placeholder when
         ``stats`` is off) if the plan splits the keys; False otherwise."""
         from .op import kernel_args
@@ -105,7 +105,7 @@ class SplitKernels:
         ws = torch.empty(p.workspace, dtype=torch.float32, device=device)
         if stats:
             rowstats = rowstats.view(*p.row_shape, rowstats.shape[-1])     # packed rows: same memory order
-        args = [*kernel_args(r, self.stats, inputs, views, rowstats), ws, p.splits, p.per]
+        args = [*kernel_args(r, self.stats, inputs, views, rowstats, block_stats), ws, p.splits, p.per]
         self.split[p.split_grid](*args, **p.meta)
         self.combine[p.combine_grid](*args, **p.meta)
         self.launches += 1

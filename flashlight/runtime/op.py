@@ -104,9 +104,12 @@ class CompiledRegion:
         """The output alone (``flashlight::region_infer``): the kernel stores no row statistics."""
         return self.run_all(inputs, stats=False)[0][0]
 
-    def run(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The output and the row statistics the backward reads (``flashlight::region``)."""
-        outs, rowstats = self.run_all(inputs)
+    def run(self, inputs: list[torch.Tensor], block_stats: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and the row statistics the backward reads (``flashlight::region``).
+        ``block_stats``: filled with the sparsity statistics computed here (``block_stat_args``),
+        which the backward may reuse — the inputs they come from are saved tensors, so autograd's
+        version check rejects an in-place change in between."""
+        outs, rowstats = self.run_all(inputs, block_stats=block_stats)
         return outs[0], rowstats
 
     def forward_all(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,7 +117,8 @@ class CompiledRegion:
         whose backward is the reference VJP (no row statistics needed)."""
         return self.run_all(inputs)[0]
 
-    def run_all(self, inputs: list[torch.Tensor], stats: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def run_all(self, inputs: list[torch.Tensor], stats: bool = True,
+                block_stats: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """[output, *row outputs] and the row statistics (None from the reference evaluator of a
         region with row outputs, which only ``forward_all`` runs, and when ``stats`` is off)."""
         self.check(inputs)
@@ -129,7 +133,7 @@ class CompiledRegion:
         if MEASURE_SPARSITY:
             cfg = self.config(inputs)
             self.skipped = skipped_fraction(self.region, inputs, cfg.BLOCK_M, cfg.BLOCK_N)
-        return self.fitting(inputs, lambda cfg: self.launch(inputs, cfg, stats))
+        return self.fitting(inputs, lambda cfg: self.launch(inputs, cfg, stats, block_stats))
 
     def fitting(self, inputs: list[torch.Tensor], launch, kernel: str = "fwd", tune=None):
         """``launch`` under this size's config for ``kernel`` (``"fwd"``, or the backward's
@@ -158,8 +162,8 @@ class CompiledRegion:
         rows = [like.new_empty((*r.batch, r.M), dtype=x.dtype) for x in r.rows]
         return [like.new_empty(self.out_shape, dtype=r.out_dtype), *rows]
 
-    def launch(self, inputs: list[torch.Tensor], cfg: Config,
-               stats: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def launch(self, inputs: list[torch.Tensor], cfg: Config, stats: bool = True,
+               block_stats: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """One forward: [output, *row outputs] and the fp32 row statistics (the split-KV combine
         kernel stores them too, so the generated backward serves both paths). Without ``stats``
         the kernels skip those stores (they get a one-element placeholder) and None is returned."""
@@ -167,11 +171,11 @@ class CompiledRegion:
         outs = self.new_outputs(inputs[0])
         rowstats = inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32)
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
-        if not (split and split.launch(inputs, outs, rowstats, cfg, stats)):
+        if not (split and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)):
             meta = self.metas.get((cfg, stats))
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
                 meta = self.metas[cfg, stats] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)), launch_meta(r, cfg, stats))
-            self.kernel[meta[0]](*kernel_args(r, self.stats, inputs, outs, rowstats), **meta[1])
+            self.kernel[meta[0]](*kernel_args(r, self.stats, inputs, outs, rowstats, block_stats), **meta[1])
         self.launches += 1
         return outs, (rowstats if stats else None)
 
@@ -222,17 +226,18 @@ class CompiledRegion:
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, out: torch.Tensor | None,
-                 grad: torch.Tensor) -> list[torch.Tensor | None]:
+                 grad: torch.Tensor, block_stats: dict | None = None) -> list[torch.Tensor | None]:
         """The generated kernels: row gradients, then dK/dV (and the body loads' gradients) over
         key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
         bool inputs may get None. ``out``: the forward's output (None from a graph compiled
-        before the op took it)."""
+        before the op took it). ``block_stats``: the forward's sparsity statistics, if kept."""
         k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
             return self.reference_backward(inputs, grad)
         cuda = inputs[0].device.type == "cuda" and not interpreting()
         rows = rows_config(head_block(self.region.DV)) if cuda else INTERPRETER
-        bufs, block_stats = k.buffers(inputs), {}     # block_stats: shared by the two tile kernels
+        bufs = k.buffers(inputs)
+        block_stats = {} if block_stats is None else block_stats    # shared by the two tile kernels
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
             self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
@@ -268,7 +273,7 @@ class CompiledRegion:
 
 
 def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: list[torch.Tensor],
-                rowstats: torch.Tensor) -> list:
+                rowstats: torch.Tensor, cache: dict | None = None) -> list:
     """Positional arguments of a generated kernel: inputs, outputs (with strides), the row
     statistics for the backward (*batch, M, W), the block statistics its sparsity scan reads,
     and the sizes."""
@@ -276,7 +281,7 @@ def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: 
     for x in [*inputs, *outs]:
         args += [x, *x.stride()]
     args += [rowstats, r.M * rowstats.shape[-1], rowstats.shape[-1]]
-    args += block_stat_args(block_stats, inputs)
+    args += block_stat_args(block_stats, inputs, cache)
     return args + [*r.batch, r.M, r.N]
 
 
@@ -314,8 +319,8 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
 
 def block_stat_args(block_stats: list, inputs: list[torch.Tensor], cache: dict | None = None) -> list:
     """Kernel arguments of the per-block min/max a sparsity test reads (sparsity.BlockStat),
-    per STAT_BLOCK positions whatever the kernel's blocks; ``cache`` (one per call) shares them
-    between the backward's two tile kernels."""
+    per STAT_BLOCK positions whatever the kernel's blocks. ``cache`` shares them between kernels:
+    the backward's two tile kernels, and the forward's with its backward (``RegionFunction``)."""
     args, cache = [], {} if cache is None else cache
     for st in block_stats:
         key = (st.input, st.dim)
@@ -419,7 +424,8 @@ class RegionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, key: str, *tensors: torch.Tensor):
-        out, rowstats = REGISTRY[key].run(list(tensors))
+        ctx.block_stats = {}        # the sparsity statistics, reused by the backward
+        out, rowstats = REGISTRY[key].run(list(tensors), ctx.block_stats)
         ctx.key = key
         ctx.mark_non_differentiable(rowstats)
         ctx.set_materialize_grads(False)       # no zero fill for the row statistics' (absent) gradient
@@ -432,7 +438,7 @@ class RegionFunction(torch.autograd.Function):
         *tensors, rowstats, out = ctx.saved_tensors
         if grad is None:        # the output did not reach the loss
             return None, *[None] * len(tensors)
-        grads = REGISTRY[ctx.key].backward(tensors, rowstats, out, grad)
+        grads = REGISTRY[ctx.key].backward(tensors, rowstats, out, grad, ctx.block_stats)
         return None, *[g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
 
 
