@@ -49,9 +49,9 @@ def main() -> None:
     captured: dict[str, list] = {}
     run_all = rt.CompiledRegion.run_all
 
-    def recording(self, inputs, stats=True):
+    def recording(self, inputs, *args, **kwargs):
         captured[self.key] = inputs
-        return run_all(self, inputs, stats)
+        return run_all(self, inputs, *args, **kwargs)
     rt.CompiledRegion.run_all = recording     # this script's own probe: record the region inputs
     rows = []
     for name in args.variants.split(","):

@@ -53,9 +53,9 @@ def main() -> None:
     captured: dict[str, list] = {}
     run_all = rt.CompiledRegion.run_all
 
-    def recording(self, inputs, stats=True):
+    def recording(self, inputs, *args, **kwargs):
         captured[self.key] = inputs
-        return run_all(self, inputs, stats)
+        return run_all(self, inputs, *args, **kwargs)
     rows = []
     for name in args.variants.split(","):
         mod = VARIANTS[name]

@@ -277,9 +277,9 @@ def test_graphs_without_gradients_store_no_row_statistics(monkeypatch):
     seen = []
     launch = rt.CompiledRegion.launch
 
-    def spy(self, inputs, cfg, stats=True):
+    def spy(self, inputs, cfg, stats=True, block_stats=None):
         seen.append(stats)
-        return launch(self, inputs, cfg, stats)
+        return launch(self, inputs, cfg, stats, block_stats)
     monkeypatch.setattr(rt.CompiledRegion, "launch", spy)
     q, k, v = (torch.randn(1, 2, 37, 16) for _ in range(3))
     ref = causal.attention(*(x.double() for x in (q, k, v)))

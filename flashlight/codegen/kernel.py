@@ -6,8 +6,6 @@ the region IR; nothing here knows what "causal" or "ALiBi" is.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..ir import Expr, Region, free_vars, refs
@@ -41,9 +39,6 @@ TILE = {"q": ("m", "dk", "[BLOCK_M, BLOCK_DK]"), "k": ("dk", "n", "[BLOCK_DK, BL
         "s": ("m", "n", "[BLOCK_M, BLOCK_N]"), "v": ("n", "dv", "[BLOCK_N, BLOCK_DV]"),
         "o": ("m", "dv", "[BLOCK_M, BLOCK_DV]"), "st": ("n", "m", "[BLOCK_N, BLOCK_M]"),
         "kn": ("n", "dk", "[BLOCK_N, BLOCK_DK]"), "qt": ("dk", "m", "[BLOCK_DK, BLOCK_M]")}
-
-
-EDGE_STAGES = int(os.environ["FLASHLIGHT_EDGE_STAGES"]) if os.environ.get("FLASHLIGHT_EDGE_STAGES") else None
 
 
 def dk_chunks(dk: int) -> list[tuple[int, int]] | None:
@@ -181,21 +176,15 @@ class KernelWriter:
         block into ``loop``. Returns the lines; the bodies come first so that their hoisted
         invariants precede every guard. (The backward's dQ kernel reuses this with its own body.)"""
         loops = []
-        groups = self.segments(members)
-        split = any(full for _, segs in groups for _, _, full in segs)
-        for guard, segs in groups:
+        for guard, segs in self.segments(members):
             indent = "    " if guard else ""
             lines = [guard] if guard else []
             for lo, hi, full in segs:
                 lo, hi = self.bounds(lo), self.bounds(hi)
                 loop = Block(parent=self.outer)
                 body(loop, full)
-                # the masked edges of a split loop (a block or two per row) unpipelined: less code
-                # to compile, nothing to overlap (EDGE_STAGES, docs/notes.md session 5)
-                edge = split and not full and EDGE_STAGES is not None
-                rng = (f"tl.range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N, num_stages={EDGE_STAGES})" if edge
-                       else f"range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N)")
-                lines.append(f"{indent}for start_n in {rng}:" + ("  # full blocks: no masks" if full else ""))
+                lines.append(f"{indent}for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
+                             + ("  # full blocks: no masks" if full else ""))
                 lines += [indent + "    " + line for line in loop.lines]
             loops += lines
         return loops

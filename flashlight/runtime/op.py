@@ -8,7 +8,9 @@ The op also returns the fp32 row statistics of every reduction (``ir.region.rows
 which autograd saves with the inputs — never a score-sized tensor. The backward
 (``flashlight::region_backward``) launches the generated FA2-style kernels (``codegen/backward.py``,
 ``runtime/backward.py``) when the region supports it and the inputs run kernels; otherwise
-(float64, unsupported regions) it differentiates the reference evaluator.
+(float64, unsupported regions) it differentiates the reference evaluator. A graph with nothing
+but regions and views (``backend.runs_as_is``) calls the same implementations without the
+dispatcher: ``region_direct`` for inference, ``RegionFunction`` for training.
 """
 from __future__ import annotations
 
