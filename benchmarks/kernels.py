@@ -15,13 +15,13 @@ import argparse
 import csv
 import os
 import sys
-import time
 from collections import defaultdict
 
 import torch
 
 from flashlight.examples import VARIANTS
 
+from .overhead import host_us
 from .smoke import configure_dynamo, make_bench
 
 
@@ -41,19 +41,6 @@ def kernel_times(fn, reps: int) -> dict[str, tuple[float, float]]:
             t[0] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             t[1] += 1
     return {k: (us / reps, n / reps) for k, (us, n) in totals.items()}
-
-
-def host_us(fn, calls: int = 100) -> float:
-    """Host time per call: ``calls`` calls queued without synchronising (the queue does not fill
-    at these counts), divided."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
 
 
 def host_profile(fn, calls: int = 200, top: int = 25) -> None:
@@ -109,7 +96,7 @@ def main(argv=None) -> int:
             ms = bench(call)
             times = kernel_times(call, args.reps)
             gpu = sum(us for us, _ in times.values())
-            host = host_us(call)
+            host = host_us(call, 100)
             print(f"{name} {system} D={args.d} N={args.n} {'fwd+bwd' if args.step else 'fwd'}: "
                   f"do_bench {ms * 1e3:.1f} µs, kernels {gpu:.1f} µs, host {host:.1f} µs", flush=True)
             for k, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
