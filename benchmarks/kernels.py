@@ -101,10 +101,10 @@ def main(argv=None) -> int:
                   f"do_bench {ms * 1e3:.1f} µs, kernels {gpu:.1f} µs, host {host:.1f} µs", flush=True)
             for k, (us, n) in sorted(times.items(), key=lambda kv: -kv[1][0]):
                 print(f"    {us:9.1f} µs  x{n:g}  {k}")
-            if args.profile:
-                host_profile(call)
                 rows.append(dict(variant=name, system=system, d=args.d, n=args.n, step=args.step,
                                  call_us=ms * 1e3, host_us=host, kernel=k, kernel_us=us, launches=n))
+            if args.profile:
+                host_profile(call)
     out_dir = os.environ.get("OUT") or args.out
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"kernels_d{args.d}_n{args.n}{'_step' if args.step else ''}.csv"), "w",

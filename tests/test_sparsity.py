@@ -1,6 +1,7 @@
 """Block sparsity: skipped blocks never hold an unmasked element (property test over random
 index predicates), the sparse kernel equals the dense one, data-dependent masks are recomputed
 every call, and the dead-predicate rules fire on the usual mask spellings."""
+import math
 import random
 
 import pytest
@@ -132,7 +133,7 @@ def test_blocks_wider_than_a_statistics_entry(example):
         q, k, v, ids = mod.make_inputs(B=3, H=2, M=70, N=100, D=16, lengths=[0, 1, 77])
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     c = REGISTRY[flashlight.explain(mod.attention, *leaves, ids).regions[0].key]
-    b = bucket(c.region.M, c.region.N, 1 if c.region.batch == () else int(torch.tensor(c.region.batch).prod()))
+    b = bucket(c.region.M, c.region.N, math.prod(c.region.batch))
     for kernel, cfg in (("fwd", Config(32, 64, 4, 1)), ("dkdv", Config(32, 64, 4, 1)), ("dq", Config(64, 32, 4, 1))):
         c.tuned[b if kernel == "fwd" else (kernel, *b)] = cfg
     try:
