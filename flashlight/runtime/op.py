@@ -94,8 +94,9 @@ class CompiledRegion:
             return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path
         return inputs[0].device.type == "cuda" or interpreting()
 
-    @property
+    @functools.cached_property
     def rowstats_shape(self) -> tuple[int, ...]:
+        """Fixed per entry, like ``shape_bucket``: read on every training forward."""
         r = self.region
         return (*r.batch, r.M, rowstat_columns(r)[1])
 
