@@ -73,3 +73,30 @@ def test_extra_element_seeds_a_later_pass():
     got, ref = run_both(r, q, k, v, e)
     assert rel_error(got, ref) < 1e-5
     assert "# pass 1" in compile_region(rewrite(r)).source
+
+
+def test_positive_scale_is_factored_out_of_a_max_only_when_exact():
+    """max(x * c) == max(x) * c for a constant c > 0 (rounding is monotone), through -inf fills;
+    a negative, zero or infinite scale, a finite fill or a product of two tensors stays as is."""
+    from flashlight.codegen.kernel import positive_scale
+    x, keep = dot(0), call("le", var("n"), var("m"))
+    assert positive_scale(x * 0.5) == (x, 0.5)
+    assert positive_scale(call("mul", const(0.5), x)) == (x, 0.5)
+    masked = call("where", keep, x * 0.5, const(float("-inf")))
+    assert positive_scale(masked) == (call("where", keep, x, const(float("-inf"))), 0.5)
+    flipped = call("where", keep, const(float("-inf")), x * 0.5)
+    assert positive_scale(flipped) == (call("where", keep, const(float("-inf")), x), 0.5)
+    for e in (x * -0.5, x * 0.0, x * float("inf"), call("where", keep, x * 0.5, const(-1e9)), x * dot(1)):
+        assert positive_scale(e) == (e, 1.0)
+
+
+def test_masked_head_and_tail_share_one_loop():
+    """A masked kernel compiles its masked body once (head and tail blocks in one loop): two key
+    loops in the forward, two query loops in the dK/dV kernel, two key loops in dQ."""
+    import flashlight
+    from flashlight.examples import sliding_window
+    rep = flashlight.explain(sliding_window.attention, *sliding_window.make_inputs(B=1, H=1, M=70, D=16))
+    src = rep.regions[0].kernel_source
+    assert src.count("\n    for start_n in range(") == 1 and src.count("\n    for i") == 1
+    bwd = rep.regions[0].backward_source
+    assert bwd.count("for start_m in range(") == 1 and bwd.count("for start_n in range(") == 1

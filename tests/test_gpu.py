@@ -22,11 +22,13 @@ def _inputs(name, **kw):
     return [x.cuda() for x in VARIANTS[name].make_inputs(**kw)]
 
 
-@pytest.mark.parametrize("name", ["causal", "alibi", "document_mask", "sliding_window", "diff_attention", "evoformer"])
-def test_bf16_forward_and_gradients_match_float64(name):
+@pytest.mark.parametrize("name,D", [("causal", 64), ("alibi", 64), ("document_mask", 64), ("sliding_window", 64),
+                                    ("diff_attention", 64), ("evoformer", 64), ("causal", 80), ("gated", 96)])
+def test_bf16_forward_and_gradients_match_float64(name, D):
+    """Six variants at D = 64, and two head dims whose QK^T and P @ V run in power-of-two pieces."""
     mod = VARIANTS[name]
     inputs = [x.to(torch.bfloat16) if x.is_floating_point() else x
-              for x in _inputs(name, B=2, H=4, M=333, D=64)]
+              for x in _inputs(name, B=2, H=4, M=333, D=D)]
     leaves = [x.requires_grad_() for x in inputs if x.is_floating_point()]
     out = torch.compile(mod.attention, backend="flashlight")(*inputs)
     dout = torch.randn_like(out)

@@ -1,5 +1,6 @@
 """Block sparsity: skipped blocks never hold an unmasked element (property test over random
-index predicates), the sparse kernel equals the dense one, data-dependent masks are recomputed
+index predicates), the sparse kernel equals the dense one (up to the order of its sums: the
+masked head and tail blocks run after the full ones), data-dependent masks are recomputed
 every call, and the dead-predicate rules fire on the usual mask spellings."""
 import math
 import random
@@ -69,7 +70,8 @@ def test_random_index_masks_never_lose_an_element(seed):
     ref = evaluate(r, [q, k, v])
     got = c.forward([q, k, v])
     assert rel_error(got, ref) < 1e-5, (keep, c.source)
-    assert torch.equal(got, dense_twin(c).forward([q, k, v]))
+    # a lost key of weight w moves the output by ~w (>= 1e-4 here); reordered fp32 sums by ~1e-7
+    assert rel_error(got, dense_twin(c).forward([q, k, v])) < 1e-6, (keep, c.source)
 
 
 def test_dead_predicate_rules():
@@ -112,7 +114,7 @@ def test_explain_reports_skipped_fraction():
 def test_causal_kernel_has_mask_free_full_segment():
     from flashlight.examples import causal
     r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=70, D=16)).regions[0]
-    full_loop = r.kernel_source.split("# full blocks: no masks")[1].split("for start_n")[0]
+    full_loop = r.kernel_source.split("# full blocks: no masks")[1].split("\n    for ")[0]   # up to the next loop
     assert "tl.where(t" not in full_loop and "offs_m" not in full_loop.split("tl.dot")[1]
 
 

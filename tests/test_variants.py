@@ -49,14 +49,41 @@ def test_half_precision_inputs(dtype):
 @pytest.mark.parametrize("name,D", [("vanilla", 48), ("causal", 80), ("gqa", 96), ("alibi", 48),
                                     ("document_mask", 80), ("softcap", 48)])
 def test_head_dims_that_are_not_powers_of_two_compute_no_padding(name, D):
-    """QK^T of a head dim like 80 or 96 runs as chained dots over power-of-two pieces (64 + 16,
-    64 + 32) instead of one dot padded to 128; the kernel has one dot per piece."""
+    """QK^T and P @ V of a head dim like 80 or 96 run as chained dots over power-of-two pieces
+    (64 + 16, 64 + 32) instead of one dot padded to 128: the kernel has one dot per piece, and
+    no [BLOCK_M, BLOCK_DV] accumulator or output tile."""
     from flashlight.codegen.kernel import dk_chunks
     mod = VARIANTS[name]
     _, report = check_fused(mod.attention, *mod.make_inputs(B=1, H=2, M=37, D=D))
     src = report.regions[0].kernel_source
     for off, width in dk_chunks(D):
-        assert f"({off} + tl.arange(0, {width}))" in src
+        assert f"({off} + tl.arange(0, {width}))" in src and f"tl.full([BLOCK_M, {width}], 0.0" in src
+    assert "[BLOCK_M, BLOCK_DV]" not in src
+
+
+def test_value_pieces_under_gates_head_merging_and_gradients():
+    """P @ V in pieces with column-wise epilogues: a sigmoid gate read per (m, dv) at Dv = 80,
+    and a head-merging store (out.transpose(1, 2).reshape) at Dv = 96, forward and gradients
+    against float64; a norm over the head (a sum over dv) keeps one padded tile."""
+    from helpers import check_grads
+    gated = VARIANTS["gated"]
+    inputs = gated.make_inputs(B=1, H=2, M=29, N=35, D=80)
+    _, report = check_fused(gated.attention, *inputs)
+    assert "tl.arange(0, 16))[None, :]" in report.regions[0].kernel_source
+    check_grads(gated.attention, inputs)
+
+    def merged(q, k, v):
+        return (torch.softmax(q @ k.mT * 0.1, -1) @ v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+    q, k, v = torch.randn(2, 2, 21, 96), torch.randn(2, 2, 33, 96), torch.randn(2, 2, 33, 96)
+    _, report = check_fused(merged, q, k, v)
+    assert "tl.full([BLOCK_M, 32], 0.0" in report.regions[0].kernel_source
+    check_grads(merged, (q, k, v))
+
+    def normed(q, k, v):
+        o = torch.softmax(q @ k.mT * 0.1, -1) @ v
+        return o * torch.rsqrt((o * o).mean(-1, keepdim=True) + 1e-6)
+    _, report = check_fused(normed, q, k, v)
+    assert "[BLOCK_M, BLOCK_DV]" in report.regions[0].kernel_source
 
 
 def test_chunked_head_dim_with_bshd_layout_other_value_dim_and_gradients():

@@ -36,7 +36,7 @@ from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_bod
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
-                     batch_index, full_tile, key_block, operand_dtype, out_offsets, segment_bounds, short_expr)
+                     batch_index, block_loops, full_tile, key_block, operand_dtype, out_offsets, segment_bounds, short_expr)
 
 
 def _same(ds: list[int]) -> int | None:
@@ -219,6 +219,7 @@ def const_factor(e: Expr) -> tuple[Expr, float]:
 class TileWriter(KernelWriter):
     """What the two tile kernels share: on one (M block, N block) tile, recompute the score tiles
     and reduction bodies from the saved row statistics and reverse the bodies (``vjp``)."""
+    split_dv = False    # dO, dV and the rows' gradients keep whole [*, BLOCK_DV] tiles
     axis = ""           # the loop's axis
     transposed = False  # score tiles as [N, M] (the dK/dV kernel): row values are [1, BLOCK_M]
 
@@ -423,12 +424,8 @@ class DKDVWriter(TileWriter):
                                  f"mblk_live = ({live}) & mblk_valid & blk_valid",
                                  f"mblk_full = {full_v}",
                                  *segment_bounds("pid_m", "mblk_live", "mblk_full", (lo, hi, ff, fe, f0, f1))]
-        lines = []
-        for a, b, full in ((lo, f0, False), (f0, f1, True), (f1, hi, False)):
-            lines.append(f"for start_m in range({a} * BLOCK_M, {b} * BLOCK_M, BLOCK_M):"
-                         + ("  # full blocks: no masks" if full else ""))
-            lines += ["    " + x for x in self.query_block(full)]
-        return lines
+        segs = [(lo, f0, False), (f0, f1, True), (f1, hi, False)]
+        return block_loops("start_m", "BLOCK_M", segs, self.query_block, f("i"))
 
     def signature(self) -> list[str]:
         return self.common_args("dkdv") + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",

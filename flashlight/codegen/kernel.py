@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import Expr, Region, free_vars, refs
+from ..ir import Expr, Region, call, free_vars, refs, walk
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
@@ -56,6 +56,20 @@ def dk_chunks(dk: int) -> list[tuple[int, int]] | None:
     return pieces if off == dk else None
 
 
+def dv_pieces(region: Region) -> list[tuple[int, int]] | None:
+    """DV as power-of-two pieces (``dk_chunks``) for the forward's P @ V products — 80 = 64 + 16
+    computes 80 columns, not 128 — when the epilogue is column-wise: no sum over dv (a norm
+    over the head) and no row output reading a product. None: one padded tile."""
+    pieces = dk_chunks(region.DV) if region.DV else None
+    if not pieces:
+        return None
+    dots = {j for j, red in enumerate(region.reductions) if red.kind == "dot"}
+    exprs = [region.out, *(row.expr for row in region.rows)]
+    if any(x.op == "sum_dv" for e in exprs for x in walk(e)) or any(refs(row.expr, "red") & dots for row in region.rows):
+        return None
+    return pieces
+
+
 def chunk_ctxs(off: int, width: int) -> tuple[Ctx, Ctx]:
     """The Q ([BLOCK_M, width]) and K ([width, BLOCK_N]) contexts of a head-dim piece: dk is
     ``off + arange(width)``, in bounds by construction (no dk mask)."""
@@ -65,6 +79,58 @@ def chunk_ctxs(off: int, width: int) -> tuple[Ctx, Ctx]:
     TILE.setdefault(q.name, ("m", "dk", f"[BLOCK_M, {width}]"))     # (one entry per piece, any region)
     TILE.setdefault(k.name, ("dk", "n", f"[{width}, BLOCK_N]"))
     return q, k
+
+
+def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, it: str) -> list[str]:
+    """Loops setting ``var`` to the start of every block in ``segs`` ((lo, hi, mask-free?) block
+    ranges; ``body(full)`` returns one block's lines): a mask-free range gets its own loop, and
+    the masked ranges — the head and the tail around the full run — share one loop over their
+    concatenation (``it`` counts it), so the masked body is compiled once, not twice: a third
+    less code for Triton to compile in a masked kernel, the first call's main cost."""
+    lines, masked = [], [seg for seg in segs if not seg[2]]
+    if len(masked) > 2:
+        raise CodegenError("more than two masked block ranges")
+    for lo, hi, full in segs:
+        if full or len(masked) == 1:
+            lines.append(f"for {var} in range({lo} * {block}, {hi} * {block}, {block}):"
+                         + ("  # full blocks: no masks" if full else ""))
+            lines += ["    " + x for x in body(full)]
+    if len(masked) == 2:
+        (lo, f0, _), (f1, hi, _) = masked
+        lines += [f"for {it} in range(0, {f0} - {lo} + {hi} - {f1}):  # masked blocks: [{lo}, {f0}), then [{f1}, {hi})",
+                  f"    {var} = ({lo} + {it} + tl.where({it} < {f0} - {lo}, 0, {f1} - {f0})) * {block}"]
+        lines += ["    " + x for x in body(False)]
+    return lines
+
+
+def positive_scale(e: Expr) -> tuple[Expr, float]:
+    """``e`` as (x, c) with e == x * c for a constant c > 0, looking through masks that fill
+    with -inf (1.0 when there is no such factor). A row max of ``x`` times c equals the row max
+    of ``e`` exactly (rounding is monotone), and leaves ``x * c - max`` to the sums, one fused
+    multiply-add per score instead of a multiply and a subtraction."""
+    if e.op == "mul":
+        for x, c in (e.args, e.args[::-1]):
+            if c.op == "const" and isinstance(c.args[0], float) and 0.0 < c.args[0] < float("inf"):
+                return x, c.args[0]
+    if e.op == "where":
+        cond, a, b = e.args
+        for i, fill in ((1, b), (2, a)):
+            if fill.op == "const" and fill.args[0] == float("-inf"):
+                x, c = positive_scale(e.args[i])
+                if c != 1.0:
+                    return call("where", *(x if k == i else arg for k, arg in enumerate(e.args))), c
+    return e, 1.0
+
+
+def dv_piece_ctxs(off: int, width: int) -> tuple[Ctx, Ctx]:
+    """The V ([BLOCK_N, width]) and output ([BLOCK_M, width]) contexts of a DV piece: dv is
+    ``off + arange(width)``, in bounds by construction (no dv mask)."""
+    dv = f"({off} + tl.arange(0, {width}))[None, :]"
+    v = Ctx(f"v{off}_{width}", vars={"n": "offs_n[:, None]", "dv": dv}, masks={"n": "mask_n[:, None]"})
+    o = Ctx(f"o{off}_{width}", vars={"m": "offs_m[:, None]", "dv": dv}, masks={"m": "mask_m[:, None]"})
+    TILE.setdefault(v.name, ("n", "dv", f"[BLOCK_N, {width}]"))
+    TILE.setdefault(o.name, ("m", "dv", f"[BLOCK_M, {width}]"))
+    return v, o
 
 
 def segment_bounds(idx: str, live: str, full: str, names: tuple[str, ...]) -> list[str]:
@@ -88,7 +154,7 @@ def full_tile(val: str, e: Expr, ctx: Ctx, region: Region) -> str:
     (a size-1 dim folded to index 0, a row-only value): tl.dot and stores need full tiles.
     Score tiles and P @ V accumulators already are full."""
     rows, cols, shape = TILE[ctx.name]
-    full_reds = {j for j, r in enumerate(region.reductions) if r.kind == "dot"} if ctx.name == "o" else set()
+    full_reds = {j for j, r in enumerate(region.reductions) if r.kind == "dot"} if ctx.name[0] == "o" else set()
     if refs(e, "dot") or refs(e, "red") & full_reds or {rows, cols} <= free_vars(e):
         return val
     return f"tl.broadcast_to({val}, {shape})"
@@ -104,7 +170,7 @@ def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
     return torch.float32
 
 
-def out_offsets(region: Region, em: Emitter, block: Block, base: str) -> str:
+def out_offsets(region: Region, em: Emitter, block: Block, base: str, ctx: Ctx = CTX_O) -> str:
     """Offsets of the [BLOCK_M, BLOCK_DV] output tile in a tensor of the output's shape with
     strides ``{base}_s{d}``: the forward's store, the backward's load of dO. A permuted or
     reshaped output (DiffAttn's head merge) takes its index from the epilogue's views, broadcast
@@ -112,13 +178,17 @@ def out_offsets(region: Region, em: Emitter, block: Block, base: str) -> str:
     nb = len(region.batch)
     if region.out_index is None:
         return " + ".join([f"b{d} * {base}_s{d}" for d in range(nb)] + [f"offs_m[:, None] * {base}_s{nb}",
-                                                                       f"offs_dv[None, :] * {base}_s{nb + 1}"])
-    terms = [f"{em.emit(i, CTX_O, block)} * {base}_s{d}" for d, i in enumerate(region.out_index)
+                                                                       f"{ctx.vars['dv']} * {base}_s{nb + 1}"])
+    terms = [f"{em.emit(i, ctx, block)} * {base}_s{d}" for d, i in enumerate(region.out_index)
              if not (i.op == "const" and i.args[0] == 0)]
-    return f"tl.broadcast_to({' + '.join(terms) or '0'}, [BLOCK_M, BLOCK_DV])"
+    return f"tl.broadcast_to({' + '.join(terms) or '0'}, {TILE[ctx.name][2]})"
 
 
 class KernelWriter:
+    # P @ V in power-of-two pieces of DV (see ``dv_pieces``); the split-KV kernels keep whole
+    # [BLOCK_M, BLOCK_DV] states in their workspace
+    split_dv = True
+
     def __init__(self, region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
                  sparse: bool = True):
         self.r, self.name, self.interpret, self.sparse = region, name, interpret, sparse
@@ -126,6 +196,7 @@ class KernelWriter:
         self.em = Emitter()
         self.outer = Block()
         self.stats: list[BlockStat] = []
+        self.dv_pieces = dv_pieces(region) if self.split_dv else None
 
     # -- operands of tl.dot -----------------------------------------------------------------
     def dot_operand(self, e: Expr, ctx: Ctx, block: Block) -> tuple[str, torch.dtype]:
@@ -160,6 +231,9 @@ class KernelWriter:
         for j in members:
             kind = r.reductions[j].kind
             init = NEG_INF if kind == "max" else "0.0"
+            if kind == "dot" and self.dv_pieces:
+                out.lines += [f"r{j}_{off} = tl.full([BLOCK_M, {w}], 0.0, tl.float32)" for off, w in self.dv_pieces]
+                continue
             cols = "BLOCK_DV" if kind == "dot" else "1"
             out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
         self.seed(members)
@@ -178,15 +252,14 @@ class KernelWriter:
         loops = []
         for guard, segs in self.segments(members):
             indent = "    " if guard else ""
-            lines = [guard] if guard else []
-            for lo, hi, full in segs:
-                lo, hi = self.bounds(lo), self.bounds(hi)
+            segs = [(self.bounds(lo), self.bounds(hi), full) for lo, hi, full in segs]
+
+            def lines_of(full: bool) -> list[str]:
                 loop = Block(parent=self.outer)
                 body(loop, full)
-                lines.append(f"{indent}for start_n in range({lo} * BLOCK_N, {hi} * BLOCK_N, BLOCK_N):"
-                             + ("  # full blocks: no masks" if full else ""))
-                lines += [indent + "    " + line for line in loop.lines]
-            loops += lines
+                return loop.lines
+            loops += ([guard] if guard else []) + [
+                indent + line for line in block_loops("start_n", "BLOCK_N", segs, lines_of, self.em.fresh("i"))]
         return loops
 
     def seed(self, members: list[int]) -> None:
@@ -235,9 +308,11 @@ class KernelWriter:
         for j, red in reds:      # running maxima first: the others rescale by them
             if red.kind != "max":
                 continue
-            body = bound(em.emit(bodies[j], CTX_S, loop), NEG_INF)
+            inner, scale = positive_scale(bodies[j])
+            body = bound(em.emit(inner, CTX_S, loop), NEG_INF)
+            row_max = f"tl.max({body}, 1, keep_dims=True)" + (f" * {scale!r}" if scale != 1.0 else "")
             loop.lines += [
-                f"r{j}_new = tl.maximum(r{j}, tl.max({body}, 1, keep_dims=True))",
+                f"r{j}_new = tl.maximum(r{j}, {row_max})",
                 f"r{j}_safe = tl.where(r{j}_new == {NEG_INF}, 0.0, r{j}_new)  # exp(-inf - 0) = 0, not NaN",
                 f"alpha{j} = {'tl.exp2' if red.base2 else 'tl.exp'}(r{j} - r{j}_safe)  # rescale of sums taken under the old max",
             ]
@@ -249,6 +324,15 @@ class KernelWriter:
             scaled = f"r{j} * alpha{red.online}" if red.online is not None else f"r{j}"
             if red.kind == "sum":
                 loop.lines.append(f"r{j} = {scaled} + tl.sum({contrib}, 1, keep_dims=True)")
+            elif self.dv_pieces:        # one product per DV piece, one P tile for all
+                p = None
+                for off, w in self.dv_pieces:
+                    v, vdt = self.dot_operand(red.v, dv_piece_ctxs(off, w)[0], loop)
+                    if p is None:
+                        p = em.fresh("p")
+                        loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S, r)}.to({TL_DTYPE[vdt]})")
+                    acc = f"r{j}_{off} * alpha{red.online}" if red.online is not None else f"r{j}_{off}"
+                    loop.lines.append(f"r{j}_{off} = {self.tl_dot(p, v, vdt, acc=acc)}")
             else:
                 v, vdt = self.dot_operand(red.v, CTX_V, loop)
                 p = em.fresh("p")
@@ -303,7 +387,10 @@ class KernelWriter:
         for j, (red, c) in enumerate(zip(self.r.reductions, rowstat_columns(self.r)[0])):
             if c is None:
                 continue        # recomputed from the output (ir.region.from_output)
-            if red.kind == "dot":
+            if red.kind == "dot" and self.dv_pieces:
+                self.outer.lines += [f"    tl.store({row} + {c} + {off} + tl.arange(0, {w})[None, :], r{j}_{off}, "
+                                     "mask=mask_m[:, None])" for off, w in self.dv_pieces]
+            elif red.kind == "dot":
                 self.outer.lines.append(f"    tl.store({row} + {c} + offs_dv[None, :], r{j}, "
                                         "mask=mask_m[:, None] & mask_dv[None, :])")
             else:
@@ -338,10 +425,19 @@ class KernelWriter:
         self.store_rowstats()
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
-        val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
-        offs = out_offsets(r, self.em, out, "out")
-        out.lines.append(f"tl.store(out_ptr + {offs}, {val}.to(out_ptr.dtype.element_ty), "
-                         f"mask=mask_m[:, None] & mask_dv[None, :])")
+        if self.dv_pieces:      # the output expression once per piece, on that piece's columns
+            for off, w in self.dv_pieces:
+                ctx = dv_piece_ctxs(off, w)[1]
+                self.em.red_names.update({j: f"r{j}_{off}" for j, red in enumerate(r.reductions) if red.kind == "dot"})
+                val = full_tile(self.em.emit(r.out, ctx, out), r.out, ctx, r)
+                out.lines.append(f"tl.store(out_ptr + {out_offsets(r, self.em, out, 'out', ctx)}, "
+                                 f"{val}.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])")
+            self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
+        else:
+            val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
+            offs = out_offsets(r, self.em, out, "out")
+            out.lines.append(f"tl.store(out_ptr + {offs}, {val}.to(out_ptr.dtype.element_ty), "
+                             f"mask=mask_m[:, None] & mask_dv[None, :])")
         for k, row in enumerate(r.rows):
             val = f"tl.broadcast_to({self.em.emit(row.expr, CTX_O, out)}, [BLOCK_M, 1])"
             offs = [f"b{d} * row{k}_s{d}" for d in range(nb)] + [f"offs_m[:, None] * row{k}_s{nb}"]

@@ -87,6 +87,7 @@ def _ws_row(split: str) -> str:
 
 class SplitWriter(KernelWriter):
     """The forward kernel restricted to one split of the key blocks, storing raw states."""
+    split_dv = False
 
     def signature(self) -> list[str]:
         args = super().signature()

@@ -84,32 +84,8 @@ def fl_bwd_snapshot(
     f3 = 0
     f4 = tl.where((n_hi - n_lo == BLOCK_N - 1), M // BLOCK_M, 0)
     hi2 = tl.cdiv(M, BLOCK_M)
-    ld6 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[:, None] * in1_s1 + offs_dk[None, :] * in1_s2, mask=mask_dk[None, :] & mask_n[:, None], other=0)
-    ld7 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-    for start_m in range(lo1 * BLOCK_M, f3 * BLOCK_M, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        # the forward's softmax shifts, and dL/d(reduction) from the output expression
-        r0_s = tl.load(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 0, mask=mask_m, other=0.0)[None, :]
-        dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[None, :]
-        dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
-        mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
-        # recompute the score tiles
-        ld5 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld6, ld5, input_precision="ieee")
-        # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
-        db1 = tl.where(mask_mn, dr1, 0.0)
-        db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
-        t8 = (qk0 * (0.7213475204444817))
-        t9 = (t8 - r0_s)
-        t10 = (tl.exp2(t9))
-        p2 = tl.where(mask_mn, t10, 0.0)
-        dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
-        # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t11 = (db1 + db2)
-        t12 = (t11 * t10)
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t12, [BLOCK_N, BLOCK_M]), 0.0)
-        dk0 = tl.dot(ds0, tl.trans(ld5), dk0, input_precision="ieee")
+    ld7 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[:, None] * in1_s1 + offs_dk[None, :] * in1_s2, mask=mask_dk[None, :] & mask_n[:, None], other=0)
+    ld8 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
     for start_m in range(f3 * BLOCK_M, f4 * BLOCK_M, BLOCK_M):  # full blocks: no masks
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = tl.full([BLOCK_M], 1, tl.int1)
@@ -119,22 +95,23 @@ def fl_bwd_snapshot(
         dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = tl.full([BLOCK_N, BLOCK_M], 1, tl.int1)
         # recompute the score tiles
-        ld13 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld6, ld13, input_precision="ieee")
+        ld6 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld7, ld6, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
-        t14 = (qk0 * (0.7213475204444817))
-        t15 = (t14 - r0_s)
-        t16 = (tl.exp2(t15))
-        p2 = tl.where(mask_mn, t16, 0.0)
+        db2 = tl.where(mask_mn, tl.dot(ld8, tl.trans(dr2), input_precision="ieee"), 0.0)
+        t9 = (qk0 * (0.7213475204444817))
+        t10 = (t9 - r0_s)
+        t11 = (tl.exp2(t10))
+        p2 = tl.where(mask_mn, t11, 0.0)
         dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t17 = (db1 + db2)
-        t18 = (t17 * t16)
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t18, [BLOCK_N, BLOCK_M]), 0.0)
-        dk0 = tl.dot(ds0, tl.trans(ld13), dk0, input_precision="ieee")
-    for start_m in range(f4 * BLOCK_M, hi2 * BLOCK_M, BLOCK_M):
+        t12 = (db1 + db2)
+        t13 = (t12 * t11)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t13, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld6), dk0, input_precision="ieee")
+    for i5 in range(0, f3 - lo1 + hi2 - f4):  # masked blocks: [lo1, f3), then [f4, hi2)
+        start_m = (lo1 + i5 + tl.where(i5 < f3 - lo1, 0, f4 - f3)) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
@@ -143,21 +120,21 @@ def fl_bwd_snapshot(
         dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
         # recompute the score tiles
-        ld19 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld6, ld19, input_precision="ieee")
+        ld14 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld7, ld14, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        db2 = tl.where(mask_mn, tl.dot(ld7, tl.trans(dr2), input_precision="ieee"), 0.0)
-        t20 = (qk0 * (0.7213475204444817))
-        t21 = (t20 - r0_s)
-        t22 = (tl.exp2(t21))
-        p2 = tl.where(mask_mn, t22, 0.0)
+        db2 = tl.where(mask_mn, tl.dot(ld8, tl.trans(dr2), input_precision="ieee"), 0.0)
+        t15 = (qk0 * (0.7213475204444817))
+        t16 = (t15 - r0_s)
+        t17 = (tl.exp2(t16))
+        p2 = tl.where(mask_mn, t17, 0.0)
         dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t23 = (db1 + db2)
-        t24 = (t23 * t22)
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t24, [BLOCK_N, BLOCK_M]), 0.0)
-        dk0 = tl.dot(ds0, tl.trans(ld19), dk0, input_precision="ieee")
+        t18 = (db1 + db2)
+        t19 = (t18 * t17)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t19, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld14), dk0, input_precision="ieee")
     # gradients of the K and V operands, accumulated over all query blocks
     dk0 = dk0 * 0.5
     tl.store(g1_ptr + b0 * g1_s0 + offs_n[:, None] * g1_s1 + offs_dk[None, :] * g1_s2, tl.broadcast_to(dk0, [BLOCK_N, BLOCK_DK]).to(g1_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_n[:, None])
@@ -227,46 +204,46 @@ def fl_bwd_snapshot_dq(
     dr1 = tl.load(drow_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + 1, mask=mask_m, other=0.0)[:, None]
     dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
     dq0 = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
-    ld1 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
+    ld2 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
     for start_n in range(0 * BLOCK_N, N // BLOCK_N * BLOCK_N, BLOCK_N):  # full blocks: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
         mask_mn = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)
         # recompute the score tiles
-        ld2 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
-        qk0 = tl.dot(ld1, ld2, input_precision="ieee")
+        ld3 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+        qk0 = tl.dot(ld2, ld3, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V)
         db1 = tl.where(mask_mn, dr1, 0.0)
-        ld3 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-        db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld3), input_precision="ieee"), 0.0)
+        ld4 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+        db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld4), input_precision="ieee"), 0.0)
         # reverse through the bodies: dS -> dQ
-        t4 = (db1 + db2)
-        t5 = (qk0 * (0.7213475204444817))
-        t6 = (t5 - r0_s)
-        t7 = (tl.exp2(t6))
-        t8 = (t4 * t7)
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t8, [BLOCK_M, BLOCK_N]), 0.0)
-        dq0 = tl.dot(ds0, tl.trans(ld2), dq0, input_precision="ieee")
+        t5 = (db1 + db2)
+        t6 = (qk0 * (0.7213475204444817))
+        t7 = (t6 - r0_s)
+        t8 = (tl.exp2(t7))
+        t9 = (t5 * t8)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
+        dq0 = tl.dot(ds0, tl.trans(ld3), dq0, input_precision="ieee")
     if not EVEN_N:
         for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
             mask_mn = mask_m[:, None] & mask_n[None, :]
             # recompute the score tiles
-            ld9 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
-            qk0 = tl.dot(ld1, ld9, input_precision="ieee")
+            ld11 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+            qk0 = tl.dot(ld2, ld11, input_precision="ieee")
             # d body: dR (sum) or dR @ V^T (P @ V)
             db1 = tl.where(mask_mn, dr1, 0.0)
-            ld10 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld10), input_precision="ieee"), 0.0)
+            ld12 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld12), input_precision="ieee"), 0.0)
             # reverse through the bodies: dS -> dQ
-            t11 = (db1 + db2)
-            t12 = (qk0 * (0.7213475204444817))
-            t13 = (t12 - r0_s)
-            t14 = (tl.exp2(t13))
-            t15 = (t11 * t14)
-            ds0 = tl.where(mask_mn, tl.broadcast_to(t15, [BLOCK_M, BLOCK_N]), 0.0)
-            dq0 = tl.dot(ds0, tl.trans(ld9), dq0, input_precision="ieee")
+            t13 = (db1 + db2)
+            t14 = (qk0 * (0.7213475204444817))
+            t15 = (t14 - r0_s)
+            t16 = (tl.exp2(t15))
+            t17 = (t13 * t16)
+            ds0 = tl.where(mask_mn, tl.broadcast_to(t17, [BLOCK_M, BLOCK_N]), 0.0)
+            dq0 = tl.dot(ds0, tl.trans(ld11), dq0, input_precision="ieee")
     # gradients of the Q operands, accumulated over all key blocks
     dq0 = dq0 * 0.5
     tl.store(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]).to(g0_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_m[:, None])
