@@ -398,8 +398,9 @@ class DKDVWriter(TileWriter):
     def query_loop(self) -> list[str]:
         """The loops over query blocks: with a useful mask only [first live, last live] query
         block of this key block — the forward's dead predicate, interval-tested for every query
-        block at once (a skipped tile contributes exactly zero to every gradient) — as masked
-        head / mask-free middle / masked tail; without one, full blocks then the ragged tail.
+        block at once (a skipped tile contributes exactly zero to every gradient) — as a
+        mask-free middle and one loop over the masked head and tail (``block_loops``); without
+        one, full blocks then the ragged tail.
         Blocks are mask-free only in a complete key block."""
         dead = dead_predicate(self.r, self.r.passes()[0])
         keep = full_predicate([self.r.reductions[j].body for j in self.plan.members])
@@ -456,8 +457,8 @@ class DKDVWriter(TileWriter):
 
 class DQWriter(TileWriter):
     """FA2's second backward kernel: one program per (query block, batch index) loops over the
-    live key blocks exactly as the forward does (``KernelWriter.segments``: masked head, mask-free
-    middle, masked tail) and accumulates dQ = sum_n dS K in registers, written once at the end —
+    live key blocks exactly as the forward does (``KernelWriter.segments``: a mask-free middle and
+    one loop over the masked head and tail) and accumulates dQ = sum_n dS K in registers, written once at the end —
     no atomics across key blocks. It writes no other gradient (the dK/dV kernel owns them)."""
     axis, kinds = "n", ("dq",)
 

@@ -349,8 +349,9 @@ class KernelWriter:
         Without a useful mask: all full blocks, then the ragged tail (compiled out when N fits the
         blocks). With one: a vectorised scan evaluates the pass's dead and full predicates with
         interval arithmetic over every block and keeps [first live, last live], split as masked
-        head / mask-free middle / masked tail. (Choosing one masked loop at run time when the
-        full run is short was measured slower overall on the H200: see docs/notes.md.)"""
+        head / mask-free middle / masked tail (``block_loops`` runs head and tail in one loop).
+        (Choosing one masked loop at run time when the full run is short was measured slower
+        overall on the H200: see docs/notes.md.)"""
         dead = dead_predicate(self.r, members)
         keep = full_predicate([self.r.reductions[j].body for j in members])
         if not (self.sparse and useful(dead)):
