@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import flashlight
+
 from flashlight.examples import VARIANTS, key_padding
 from helpers import check_fused
 
@@ -64,7 +66,8 @@ def test_head_dims_that_are_not_powers_of_two_compute_no_padding(name, D):
 def test_value_pieces_under_gates_head_merging_and_gradients():
     """P @ V in pieces with column-wise epilogues: a sigmoid gate read per (m, dv) at Dv = 80,
     and a head-merging store (out.transpose(1, 2).reshape) at Dv = 96, forward and gradients
-    against float64; a norm over the head (a sum over dv) keeps one padded tile."""
+    against float64; the backward's dQ, dK and dV in pieces (causal, D = 80), except where an
+    operand reads a per-row gate; a norm over the head (a sum over dv) keeps one padded tile."""
     from helpers import check_grads
     gated = VARIANTS["gated"]
     inputs = gated.make_inputs(B=1, H=2, M=29, N=35, D=80)
@@ -78,6 +81,26 @@ def test_value_pieces_under_gates_head_merging_and_gradients():
     _, report = check_fused(merged, q, k, v)
     assert "tl.full([BLOCK_M, 32], 0.0" in report.regions[0].kernel_source
     check_grads(merged, (q, k, v))
+
+    def causal80(q, k, v):
+        s = (q @ k.mT * 0.1).masked_fill(torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril().logical_not(),
+                                          float("-inf"))
+        return torch.softmax(s, -1) @ v
+    q80, k80, v80 = torch.randn(1, 2, 45, 80), torch.randn(1, 2, 45, 80), torch.randn(1, 2, 45, 80)
+    _, report = check_fused(causal80, q80, k80, v80)
+    bwd = flashlight.explain(causal80, q80.requires_grad_(), k80, v80).regions[0].backward_source
+    for acc in ("dk0_0_64", "dk0_64_16", "dv0_0_64", "dv0_64_16", "dq0_0_64", "dq0_64_16"):
+        assert f"{acc} = tl.zeros" in bwd, acc
+    tiles = bwd.split("_rows(")[0]       # the two tile kernels: no padded [*, BLOCK_D*] tile
+    assert not any(t in tiles for t in (", BLOCK_DK]", ", BLOCK_DV]", "[BLOCK_DK, ", "[BLOCK_DV, "))
+    check_grads(causal80, (q80.detach(), k80, v80))
+
+    def row_scaled(q, k, v, g):     # g's gradient sums over the whole head: dQ/dK keep one tile
+        return torch.softmax((q * g[..., None]) @ k.mT * 0.1, -1) @ v
+    g = torch.rand(1, 2, 45) + 0.5
+    bwd = flashlight.explain(row_scaled, q80.detach().requires_grad_(), k80, v80, g).regions[0].backward_source
+    assert "dk0 = tl.zeros([BLOCK_N, BLOCK_DK]" in bwd and "dv0_64_16 = tl.zeros" in bwd
+    check_grads(row_scaled, (q80.detach(), k80, v80, g))
 
     def normed(q, k, v):
         o = torch.softmax(q @ k.mT * 0.1, -1) @ v

@@ -36,7 +36,8 @@ from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_bod
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
-                     batch_index, block_loops, full_tile, key_block, operand_dtype, out_offsets, segment_bounds, short_expr)
+                     batch_index, block_loops, dk_chunks, full_tile, key_block, operand_dtype, out_offsets,
+                     piece_ctx, segment_bounds, short_expr)
 
 
 def _same(ds: list[int]) -> int | None:
@@ -218,8 +219,14 @@ def const_factor(e: Expr) -> tuple[Expr, float]:
 
 class TileWriter(KernelWriter):
     """What the two tile kernels share: on one (M block, N block) tile, recompute the score tiles
-    and reduction bodies from the saved row statistics and reverse the bodies (``vjp``)."""
-    split_dv = False    # dO, dV and the rows' gradients keep whole [*, BLOCK_DV] tiles
+    and reduction bodies from the saved row statistics and reverse the bodies (``vjp``).
+
+    A head dim like 80 or 96 runs in power-of-two pieces (``dk_chunks``: 80 = 64 + 16), as the
+    forward's does: QK^T as chained dots over DK pieces, dR V^T over DV pieces, and one dQ / dK /
+    dV register tile per piece, each written through its piece's context — unless a load in an
+    operand expression does not vary along that head dim (a per-row gate on q): its gradient sums
+    over the whole head, so those accumulators keep one padded tile (``pieces``)."""
+    split_dv = False    # the forward's epilogue pieces: not this kernel's
     axis = ""           # the loop's axis
     transposed = False  # score tiles as [N, M] (the dK/dV kernel): row values are [1, BLOCK_M]
 
@@ -233,8 +240,29 @@ class TileWriter(KernelWriter):
         self.plan = plan
         self.dg = dot_grads(region, interpret)
         self.em = LoopEmitter(self.axis)
-        self.accs: dict[str, dict[Expr, str]] = {}      # "dq"/"dk"/"dv" -> operand expression -> register tile
+        # "dq"/"dk"/"dv" -> operand expression -> register tile per piece (``pieces``)
+        self.accs: dict[str, dict[Expr, list[str]]] = {}
         self.folded: dict[str, dict[Expr, float]] = {}  # "dq"/"dk" -> operand expression -> scale (folded_scales)
+
+    def pieces(self, kind: str) -> list[tuple[int, int]] | None:
+        """The head-dim pieces of accumulator ``kind`` (dq / dk: DK; dv: DV), or None for one
+        padded tile: a power-of-two head dim, or an operand reading a load that does not vary
+        along that dim (its gradient, a sum over the whole head, would be split across pieces)."""
+        dim = "dv" if kind == "dv" else "dk"
+        pieces = dk_chunks(self.r.DV if kind == "dv" else self.r.DK)
+        if pieces is None or self.r.DK is None:
+            return None
+        operands = [rd.v for rd in self.r.reductions if rd.kind == "dot"] if kind == "dv" else \
+            [x for d in self.r.dots for x in (d.q, d.k)]
+        if any(x.op == "load" and not any(dim in free_vars(i) for i in x.args[1])
+               for e in operands for x in walk(e)):
+            return None
+        return pieces
+
+    def piece_ctxs(self, kind: str, base: Ctx) -> list[Ctx]:
+        """``base`` per piece of ``kind`` (or ``[base]``)."""
+        pieces = self.pieces(kind)
+        return [piece_ctx(base, "dv" if kind == "dv" else "dk", off, w) for off, w in pieces] if pieces else [base]
 
     @staticmethod
     def cast(x: str, dt: torch.dtype) -> str:
@@ -255,20 +283,22 @@ class TileWriter(KernelWriter):
                 continue
             elif rd.kind == "sum":
                 block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
-            else:
-                block.lines.append(f"dr{j} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
-                                   f" + {self.dg.cols[j]} + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], "
-                                   "other=0.0)")
+            else:               # [BLOCK_M, DV] as written, per DV piece
+                for ctx in self.piece_ctxs("dv", CTX_O):
+                    mask = " & ".join(f"{ctx.masks[v]}" for v in ("m", "dv") if v in ctx.masks)
+                    block.lines.append(f"dr{j}{ctx.name[1:]} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
+                                       f" + {self.dg.cols[j]} + {ctx.vars['dv']}, mask={mask}, other=0.0)")
 
     def accumulators(self) -> None:
         """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
         P @ V products share one dV), zero before the loop."""
-        shapes = {"dq": "[BLOCK_M, BLOCK_DK]", "dk": "[BLOCK_N, BLOCK_DK]" if self.transposed else "[BLOCK_DK, BLOCK_N]",
-                  "dv": "[BLOCK_N, BLOCK_DV]"}
+        ctxs = {"dq": CTX_Q, "dk": CTX_KN if self.transposed else CTX_K, "dv": CTX_V}
         for kind in self.kinds:
             for e in self.plan.accs[kind]:
-                name = self.accs.setdefault(kind, {}).setdefault(e, f"{kind}{len(self.accs[kind])}")
-                self.outer.lines.append(f"{name} = tl.zeros({shapes[kind]}, dtype=tl.float32)")
+                acc = f"{kind}{len(self.accs.setdefault(kind, {}))}"
+                self.accs[kind][e] = [acc + ctx.name[len(ctxs[kind].name):] for ctx in self.piece_ctxs(kind, ctxs[kind])]
+                self.outer.lines += [f"{name} = tl.zeros({TILE[ctx.name][2]}, dtype=tl.float32)"
+                                     for name, ctx in zip(self.accs[kind][e], self.piece_ctxs(kind, ctxs[kind]))]
 
     def tile_adjoints(self, loop: Block, full: bool) -> tuple[dict[Expr, Expr], dict[int, tuple]]:
         """Recompute the score tiles and bodies of one tile and reverse them: the adjoints of the
@@ -283,9 +313,11 @@ class TileWriter(KernelWriter):
         loop.lines.append("# recompute the score tiles")
         em.dot_names, operands = {}, {}
         # S^T = K Q^T from K [N, DK] and Q^T [DK, M], both as loaded, in the transposed kernel
-        ctxs = (CTX_QT, CTX_KN) if self.transposed else (CTX_Q, CTX_K)
-        for i in self.plan.dots:
-            operands[i] = self.score_dot(i, *ctxs, loop, transposed=self.transposed)
+        qctx, kctx = (CTX_QT, CTX_KN) if self.transposed else (CTX_Q, CTX_K)
+        kind = "dk" if "dk" in self.kinds else "dq"
+        for i in self.plan.dots:     # one dot per DK piece (of the accumulator's pieces), chained
+            operands[i] = [self.score_dot(i, q, k, loop, transposed=self.transposed, acc=f"qk{i}" if c else None)
+                           for c, (q, k) in enumerate(zip(self.piece_ctxs(kind, qctx), self.piece_ctxs(kind, kctx)))]
             em.dot_names[i] = f"qk{i}"
         loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
         for j in self.plan.members:
@@ -293,17 +325,24 @@ class TileWriter(KernelWriter):
             body = full_body(rd.body) if full else rd.body
             if rd.kind == "sum":       # d body = dR_j, broadcast along n
                 loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
-            else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j
-                v, vdt = self.dot_operand(rd.v, CTX_V, loop)
-                dr = f"dr{j}" if self.dg.dtype == vdt else self.cast(f"dr{j}", vdt)
-                dp = self.tl_dot(v, f"tl.trans({dr})", vdt) if self.transposed else self.tl_dot(dr, f"tl.trans({v})", vdt)
-                loop.lines.append(f"db{j} = tl.where(mask_mn, {dp}, 0.0)")
+            else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j (per DV piece)
+                drs = []
+                for c, (vctx, octx) in enumerate(zip(self.piece_ctxs("dv", CTX_V), self.piece_ctxs("dv", CTX_O))):
+                    v, vdt = self.dot_operand(rd.v, vctx, loop)
+                    dr = f"dr{j}{octx.name[1:]}"
+                    dr = dr if self.dg.dtype == vdt else self.cast(dr, vdt)
+                    acc = f"dp{j}" if c else None
+                    dp = self.tl_dot(v, f"tl.trans({dr})", vdt, acc) if self.transposed else \
+                        self.tl_dot(dr, f"tl.trans({v})", vdt, acc)
+                    loop.lines.append(f"dp{j} = {dp}")
+                    drs.append(dr)
+                loop.lines.append(f"db{j} = tl.where(mask_mn, dp{j}, 0.0)")
                 if "dv" in self.kinds:
                     p = full_tile(em.emit(body, ctx, loop), body, ctx, r)
-                    acc = self.accs["dv"][rd.v]
                     pt = f"p{j}" if self.transposed else f"tl.trans(p{j})"
-                    loop.lines += [f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}",
-                                   f"{acc} = {self.tl_dot(pt, dr, vdt, acc=acc)}"]
+                    loop.lines.append(f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}")
+                    for acc, dr in zip(self.accs["dv"][rd.v], drs):
+                        loop.lines.append(f"{acc} = {self.tl_dot(pt, dr, vdt, acc=acc)}")
         return vjp(self.seeds(full)), operands
 
     def seeds(self, full: bool) -> dict[Expr, Expr]:
@@ -341,7 +380,6 @@ class TileWriter(KernelWriter):
         for i in self.plan.dots:
             if dot(i) not in adjoints:
                 continue        # no gradient reaches this score tile (e.g. floor(s))
-            q, qdt, k, kdt = operands[i]
             ds = adjoints[dot(i)]
             if (self.r.dots[i].k if kind == "dk" else self.r.dots[i].q) in folded:
                 ds = const_factor(ds)[0]    # its constant factor is applied after the loop
@@ -349,23 +387,23 @@ class TileWriter(KernelWriter):
             # there would reach dQ through K's zero padding (fuzz seed 21, #195)
             loop.lines.append(f"ds{i} = tl.where(mask_mn, tl.broadcast_to({self.em.emit(ds, self.ctx_s, loop)}, "
                               f"{TILE[self.ctx_s.name][2]}), 0.0)")
-            if "dk" in self.kinds and self.transposed:     # dK [N, DK] += dS^T [N, M] @ Q [M, DK]
-                acc = self.accs["dk"][self.r.dots[i].k]
-                loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', qdt), f'tl.trans({q})', qdt, acc=acc)}")
-            elif "dk" in self.kinds:
-                acc = self.accs["dk"][self.r.dots[i].k]
-                loop.lines.append(f"{acc} = {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt, acc=acc)}")
-            else:
-                acc = self.accs["dq"][self.r.dots[i].q]
-                loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt, acc=acc)}")
+            accs = self.accs[kind][self.r.dots[i].k if kind == "dk" else self.r.dots[i].q]
+            for acc, (q, qdt, k, kdt) in zip(accs, operands[i]):     # per DK piece
+                if kind == "dk" and self.transposed:     # dK [N, DK] += dS^T [N, M] @ Q [M, DK]
+                    loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', qdt), f'tl.trans({q})', qdt, acc=acc)}")
+                elif kind == "dk":
+                    loop.lines.append(f"{acc} = {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt, acc=acc)}")
+                else:
+                    loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt, acc=acc)}")
 
     def write_grads(self, kind: str, ctx: Ctx) -> None:
         """The gradients of the operands behind accumulator ``kind``, once per program."""
         folded = self.folded_scales(kind) if kind != "dv" else {}
-        for e, name in self.accs.get(kind, {}).items():
-            if e in folded:
-                self.outer.lines.append(f"{name} = {name} * {folded[e]!r}")
-            scatter(self.em, vjp({e: tile(name)}), ctx, self.outer, self.plan.stored)
+        for e, names in self.accs.get(kind, {}).items():
+            for name, pctx in zip(names, self.piece_ctxs(kind, ctx)):
+                if e in folded:
+                    self.outer.lines.append(f"{name} = {name} * {folded[e]!r}")
+                scatter(self.em, vjp({e: tile(name)}), pctx, self.outer, self.plan.stored)
 
     def common_args(self, kernel: str) -> list[str]:
         args = tensor_args(self.r, "in", range(len(self.r.inputs))) + tensor_args(self.r, "g", self.plan.written(kernel))

@@ -70,15 +70,16 @@ def dv_pieces(region: Region) -> list[tuple[int, int]] | None:
     return pieces
 
 
-def chunk_ctxs(off: int, width: int) -> tuple[Ctx, Ctx]:
-    """The Q ([BLOCK_M, width]) and K ([width, BLOCK_N]) contexts of a head-dim piece: dk is
-    ``off + arange(width)``, in bounds by construction (no dk mask)."""
-    dk = f"({off} + tl.arange(0, {width}))"
-    q = Ctx(f"q{off}_{width}", vars={"m": "offs_m[:, None]", "dk": f"{dk}[None, :]"}, masks={"m": "mask_m[:, None]"})
-    k = Ctx(f"k{off}_{width}", vars={"dk": f"{dk}[:, None]", "n": "offs_n[None, :]"}, masks={"n": "mask_n[None, :]"})
-    TILE.setdefault(q.name, ("m", "dk", f"[BLOCK_M, {width}]"))     # (one entry per piece, any region)
-    TILE.setdefault(k.name, ("dk", "n", f"[{width}, BLOCK_N]"))
-    return q, k
+def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
+    """``base`` with head-dim var ``dim`` (``dk`` or ``dv``) narrowed to the piece ``off +
+    arange(width)`` — in bounds by construction, so without that var's mask — and its tile
+    shape registered in TILE (one entry per piece, any region)."""
+    axis = base.vars[dim][base.vars[dim].index("["):]        # "[None, :]" or "[:, None]"
+    name = f"{base.name}_{off}_{width}"
+    rows, cols, shape = TILE[base.name]
+    TILE.setdefault(name, (rows, cols, shape.replace(f"BLOCK_{dim.upper()}", str(width))))
+    return Ctx(name, vars={**base.vars, dim: f"({off} + tl.arange(0, {width})){axis}"},
+               masks={v: m for v, m in base.masks.items() if v != dim}, key_start=base.key_start)
 
 
 def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, it: str) -> list[str]:
@@ -120,17 +121,6 @@ def positive_scale(e: Expr) -> tuple[Expr, float]:
                 if c != 1.0:
                     return call("where", *(x if k == i else arg for k, arg in enumerate(e.args))), c
     return e, 1.0
-
-
-def dv_piece_ctxs(off: int, width: int) -> tuple[Ctx, Ctx]:
-    """The V ([BLOCK_N, width]) and output ([BLOCK_M, width]) contexts of a DV piece: dv is
-    ``off + arange(width)``, in bounds by construction (no dv mask)."""
-    dv = f"({off} + tl.arange(0, {width}))[None, :]"
-    v = Ctx(f"v{off}_{width}", vars={"n": "offs_n[:, None]", "dv": dv}, masks={"n": "mask_n[:, None]"})
-    o = Ctx(f"o{off}_{width}", vars={"m": "offs_m[:, None]", "dv": dv}, masks={"m": "mask_m[:, None]"})
-    TILE.setdefault(v.name, ("n", "dv", f"[BLOCK_N, {width}]"))
-    TILE.setdefault(o.name, ("m", "dv", f"[BLOCK_M, {width}]"))
-    return v, o
 
 
 def segment_bounds(idx: str, live: str, full: str, names: tuple[str, ...]) -> list[str]:
@@ -300,7 +290,8 @@ class KernelWriter:
         for i in sorted(set().union(*(refs(b, "dot") for b in bodies.values()))):
             if chunks:      # a head dim like 96: one dot per power-of-two piece, accumulated
                 for c, (off, width) in enumerate(chunks):
-                    self.score_dot(i, *chunk_ctxs(off, width), loop, acc=f"qk{i}" if c else None)
+                    self.score_dot(i, piece_ctx(CTX_Q, "dk", off, width), piece_ctx(CTX_K, "dk", off, width), loop,
+                                   acc=f"qk{i}" if c else None)
             else:
                 self.score_dot(i, CTX_Q, CTX_K, loop)
             em.dot_names[i] = f"qk{i}"
@@ -327,7 +318,7 @@ class KernelWriter:
             elif self.dv_pieces:        # one product per DV piece, one P tile for all
                 p = None
                 for off, w in self.dv_pieces:
-                    v, vdt = self.dot_operand(red.v, dv_piece_ctxs(off, w)[0], loop)
+                    v, vdt = self.dot_operand(red.v, piece_ctx(CTX_V, "dv", off, w), loop)
                     if p is None:
                         p = em.fresh("p")
                         loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S, r)}.to({TL_DTYPE[vdt]})")
@@ -428,7 +419,7 @@ class KernelWriter:
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
         if self.dv_pieces:      # the output expression once per piece, on that piece's columns
             for off, w in self.dv_pieces:
-                ctx = dv_piece_ctxs(off, w)[1]
+                ctx = piece_ctx(CTX_O, "dv", off, w)
                 self.em.red_names.update({j: f"r{j}_{off}" for j, red in enumerate(r.reductions) if red.kind == "dot"})
                 val = full_tile(self.em.emit(r.out, ctx, out), r.out, ctx, r)
                 out.lines.append(f"tl.store(out_ptr + {out_offsets(r, self.em, out, 'out', ctx)}, "

@@ -99,7 +99,8 @@ def fl_bwd_snapshot(
         qk0 = tl.dot(ld7, ld6, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        db2 = tl.where(mask_mn, tl.dot(ld8, tl.trans(dr2), input_precision="ieee"), 0.0)
+        dp2 = tl.dot(ld8, tl.trans(dr2), input_precision="ieee")
+        db2 = tl.where(mask_mn, dp2, 0.0)
         t9 = (qk0 * (0.7213475204444817))
         t10 = (t9 - r0_s)
         t11 = (tl.exp2(t10))
@@ -124,7 +125,8 @@ def fl_bwd_snapshot(
         qk0 = tl.dot(ld7, ld14, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        db2 = tl.where(mask_mn, tl.dot(ld8, tl.trans(dr2), input_precision="ieee"), 0.0)
+        dp2 = tl.dot(ld8, tl.trans(dr2), input_precision="ieee")
+        db2 = tl.where(mask_mn, dp2, 0.0)
         t15 = (qk0 * (0.7213475204444817))
         t16 = (t15 - r0_s)
         t17 = (tl.exp2(t16))
@@ -215,7 +217,8 @@ def fl_bwd_snapshot_dq(
         # d body: dR (sum) or dR @ V^T (P @ V)
         db1 = tl.where(mask_mn, dr1, 0.0)
         ld4 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-        db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld4), input_precision="ieee"), 0.0)
+        dp2 = tl.dot(dr2, tl.trans(ld4), input_precision="ieee")
+        db2 = tl.where(mask_mn, dp2, 0.0)
         # reverse through the bodies: dS -> dQ
         t5 = (db1 + db2)
         t6 = (qk0 * (0.7213475204444817))
@@ -235,7 +238,8 @@ def fl_bwd_snapshot_dq(
             # d body: dR (sum) or dR @ V^T (P @ V)
             db1 = tl.where(mask_mn, dr1, 0.0)
             ld12 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-            db2 = tl.where(mask_mn, tl.dot(dr2, tl.trans(ld12), input_precision="ieee"), 0.0)
+            dp2 = tl.dot(dr2, tl.trans(ld12), input_precision="ieee")
+            db2 = tl.where(mask_mn, dp2, 0.0)
             # reverse through the bodies: dS -> dQ
             t13 = (db1 + db2)
             t14 = (qk0 * (0.7213475204444817))
