@@ -77,7 +77,9 @@ def test_extra_element_seeds_a_later_pass():
 
 def test_positive_scale_is_factored_out_of_a_max_only_when_exact():
     """max(x * c) == max(x) * c for a constant c > 0 (rounding is monotone), through -inf fills;
-    a negative, zero or infinite scale, a finite fill or a product of two tensors stays as is."""
+    a negative or zero scale, one that is not a normal fp32 number (it would round to 0 or inf
+    in the kernel and turn a -inf max into NaN), a finite fill or a product of two tensors stays
+    as is."""
     from flashlight.codegen.kernel import positive_scale
     x, keep = dot(0), call("le", var("n"), var("m"))
     assert positive_scale(x * 0.5) == (x, 0.5)
@@ -86,7 +88,8 @@ def test_positive_scale_is_factored_out_of_a_max_only_when_exact():
     assert positive_scale(masked) == (call("where", keep, x, const(float("-inf"))), 0.5)
     flipped = call("where", keep, const(float("-inf")), x * 0.5)
     assert positive_scale(flipped) == (call("where", keep, const(float("-inf")), x), 0.5)
-    for e in (x * -0.5, x * 0.0, x * float("inf"), call("where", keep, x * 0.5, const(-1e9)), x * dot(1)):
+    for e in (x * -0.5, x * 0.0, x * float("inf"), x * 1e-45, x * 1e39,
+              call("where", keep, x * 0.5, const(-1e9)), x * dot(1)):
         assert positive_scale(e) == (e, 1.0)
 
 

@@ -243,21 +243,23 @@ class TileWriter(KernelWriter):
         # "dq"/"dk"/"dv" -> operand expression -> register tile per piece (``pieces``)
         self.accs: dict[str, dict[Expr, list[str]]] = {}
         self.folded: dict[str, dict[Expr, float]] = {}  # "dq"/"dk" -> operand expression -> scale (folded_scales)
+        self.piece_cache: dict[str, list | None] = {}
 
     def pieces(self, kind: str) -> list[tuple[int, int]] | None:
         """The head-dim pieces of accumulator ``kind`` (dq / dk: DK; dv: DV), or None for one
         padded tile: a power-of-two head dim, or an operand reading a load that does not vary
-        along that dim (its gradient, a sum over the whole head, would be split across pieces)."""
-        dim = "dv" if kind == "dv" else "dk"
-        pieces = dk_chunks(self.r.DV if kind == "dv" else self.r.DK)
-        if pieces is None or self.r.DK is None:
-            return None
-        operands = [rd.v for rd in self.r.reductions if rd.kind == "dot"] if kind == "dv" else \
-            [x for d in self.r.dots for x in (d.q, d.k)]
-        if any(x.op == "load" and not any(dim in free_vars(i) for i in x.args[1])
-               for e in operands for x in walk(e)):
-            return None
-        return pieces
+        along that dim (its gradient, a sum over the whole head, would be split across pieces —
+        harmless for an atomic add, wrong for a plain store; any such load keeps one tile)."""
+        if kind not in self.piece_cache:
+            dim = "dv" if kind == "dv" else "dk"
+            pieces = dk_chunks(self.r.DV if kind == "dv" else self.r.DK)
+            operands = [rd.v for rd in self.r.reductions if rd.kind == "dot"] if kind == "dv" else \
+                [x for d in self.r.dots for x in (d.q, d.k)]
+            if any(x.op == "load" and not any(dim in free_vars(i) for i in x.args[1])
+                   for e in operands for x in walk(e)):
+                pieces = None
+            self.piece_cache[kind] = pieces
+        return self.piece_cache[kind]
 
     def piece_ctxs(self, kind: str, base: Ctx) -> list[Ctx]:
         """``base`` per piece of ``kind`` (or ``[base]``)."""
@@ -291,7 +293,7 @@ class TileWriter(KernelWriter):
 
     def accumulators(self) -> None:
         """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
-        P @ V products share one dV), zero before the loop."""
+        P @ V products share one dV) and head-dim piece (``pieces``), zero before the loop."""
         ctxs = {"dq": CTX_Q, "dk": CTX_KN if self.transposed else CTX_K, "dv": CTX_V}
         for kind in self.kinds:
             for e in self.plan.accs[kind]:

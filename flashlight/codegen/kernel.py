@@ -59,13 +59,11 @@ def dk_chunks(dk: int) -> list[tuple[int, int]] | None:
 def dv_pieces(region: Region) -> list[tuple[int, int]] | None:
     """DV as power-of-two pieces (``dk_chunks``) for the forward's P @ V products — 80 = 64 + 16
     computes 80 columns, not 128 — when the epilogue is column-wise: no sum over dv (a norm
-    over the head) and no row output reading a product. None: one padded tile."""
+    over the head; every other op is per element, and ``verify`` keeps row outputs off the
+    products). None: one padded tile."""
     pieces = dk_chunks(region.DV) if region.DV else None
-    if not pieces:
-        return None
-    dots = {j for j, red in enumerate(region.reductions) if red.kind == "dot"}
     exprs = [region.out, *(row.expr for row in region.rows)]
-    if any(x.op == "sum_dv" for e in exprs for x in walk(e)) or any(refs(row.expr, "red") & dots for row in region.rows):
+    if not pieces or any(x.op == "sum_dv" for e in exprs for x in walk(e)):
         return None
     return pieces
 
@@ -85,33 +83,40 @@ def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
 def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, it: str) -> list[str]:
     """Loops setting ``var`` to the start of every block in ``segs`` ((lo, hi, mask-free?) block
     ranges; ``body(full)`` returns one block's lines): a mask-free range gets its own loop, and
-    the masked ranges — the head and the tail around the full run — share one loop over their
-    concatenation (``it`` counts it), so the masked body is compiled once, not twice: a third
-    less code for Triton to compile in a masked kernel, the first call's main cost."""
+    so does a single masked range; two masked ranges — the head and the tail around the full run
+    — share one loop over their concatenation (``it`` counts it; an empty or inverted range
+    counts 0), so the masked body is compiled once, not twice: a third less code for Triton to
+    compile in a masked kernel, the first call's main cost."""
     lines, masked = [], [seg for seg in segs if not seg[2]]
     if len(masked) > 2:
         raise CodegenError("more than two masked block ranges")
     for lo, hi, full in segs:
         if full or len(masked) == 1:
-            lines.append(f"for {var} in range({lo} * {block}, {hi} * {block}, {block}):"
+            lines.append(f"for {var} in range(({lo}) * {block}, ({hi}) * {block}, {block}):"
                          + ("  # full blocks: no masks" if full else ""))
             lines += ["    " + x for x in body(full)]
     if len(masked) == 2:
         (lo, f0, _), (f1, hi, _) = masked
-        lines += [f"for {it} in range(0, {f0} - {lo} + {hi} - {f1}):  # masked blocks: [{lo}, {f0}), then [{f1}, {hi})",
-                  f"    {var} = ({lo} + {it} + tl.where({it} < {f0} - {lo}, 0, {f1} - {f0})) * {block}"]
+        lines += [f"{it}_head = tl.maximum(({f0}) - ({lo}), 0)  # masked blocks: [{lo}, {f0}), then [{f1}, {hi})",
+                  f"for {it} in range(0, {it}_head + tl.maximum(({hi}) - ({f1}), 0)):",
+                  f"    {var} = (({lo}) + {it} + tl.where({it} < {it}_head, 0, ({f1}) - ({lo}) - {it}_head)) * {block}"]
         lines += ["    " + x for x in body(False)]
     return lines
+
+
+FP32_NORMAL = (2.0 ** -126, 3.4028234663852886e38)
 
 
 def positive_scale(e: Expr) -> tuple[Expr, float]:
     """``e`` as (x, c) with e == x * c for a constant c > 0, looking through masks that fill
     with -inf (1.0 when there is no such factor). A row max of ``x`` times c equals the row max
-    of ``e`` exactly (rounding is monotone), and leaves ``x * c - max`` to the sums, one fused
-    multiply-add per score instead of a multiply and a subtraction."""
+    of ``e`` exactly (rounding is monotone), and leaves ``x * c - max`` to the sums: in mask-free
+    blocks one fused multiply-add per score instead of a multiply and a subtraction. Only a c
+    that is a normal fp32 number (what the kernel multiplies by): a c that rounds to 0 or inf
+    would turn a -inf row max into NaN."""
     if e.op == "mul":
         for x, c in (e.args, e.args[::-1]):
-            if c.op == "const" and isinstance(c.args[0], float) and 0.0 < c.args[0] < float("inf"):
+            if c.op == "const" and isinstance(c.args[0], float) and FP32_NORMAL[0] <= c.args[0] <= FP32_NORMAL[1]:
                 return x, c.args[0]
     if e.op == "where":
         cond, a, b = e.args
@@ -161,8 +166,8 @@ def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
 
 
 def out_offsets(region: Region, em: Emitter, block: Block, base: str, ctx: Ctx = CTX_O) -> str:
-    """Offsets of the [BLOCK_M, BLOCK_DV] output tile in a tensor of the output's shape with
-    strides ``{base}_s{d}``: the forward's store, the backward's load of dO. A permuted or
+    """Offsets of the output tile of ``ctx`` ([BLOCK_M, BLOCK_DV], or a DV piece's) in a tensor of
+    the output's shape with strides ``{base}_s{d}``: the forward's store, the backward's load of dO. A permuted or
     reshaped output (DiffAttn's head merge) takes its index from the epilogue's views, broadcast
     to the whole tile (with one query, M = 1, no index term varies along m)."""
     nb = len(region.batch)
@@ -232,6 +237,8 @@ class KernelWriter:
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
                 em.red_names[j] = f"r{j}_s"
+            elif r.reductions[j].kind == "dot" and self.dv_pieces:
+                em.red_names.pop(j, None)       # r{j}_{off} per piece: only the epilogue reads them
             else:
                 em.red_names[j] = f"r{j}"
 

@@ -75,7 +75,7 @@ def fl_fwd_snapshot(
     r1 = tl.full([BLOCK_M, 1], 0.0, tl.float32)
     r2 = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     ld2 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
-    for start_n in range(0 * BLOCK_N, N // BLOCK_N * BLOCK_N, BLOCK_N):  # full blocks: no masks
+    for start_n in range((0) * BLOCK_N, (N // BLOCK_N) * BLOCK_N, BLOCK_N):  # full blocks: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
         ld3 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
@@ -92,7 +92,7 @@ def fl_fwd_snapshot(
         r2 = tl.dot(p8, ld7, r2 * alpha0, input_precision="ieee")
         r0 = r0_new
     if not EVEN_N:
-        for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
+        for start_n in range((N // BLOCK_N) * BLOCK_N, (tl.cdiv(N, BLOCK_N)) * BLOCK_N, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
             ld10 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)

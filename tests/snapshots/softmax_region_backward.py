@@ -86,7 +86,7 @@ def fl_bwd_snapshot(
     hi2 = tl.cdiv(M, BLOCK_M)
     ld7 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[:, None] * in1_s1 + offs_dk[None, :] * in1_s2, mask=mask_dk[None, :] & mask_n[:, None], other=0)
     ld8 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-    for start_m in range(f3 * BLOCK_M, f4 * BLOCK_M, BLOCK_M):  # full blocks: no masks
+    for start_m in range((f3) * BLOCK_M, (f4) * BLOCK_M, BLOCK_M):  # full blocks: no masks
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = tl.full([BLOCK_M], 1, tl.int1)
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
@@ -111,8 +111,9 @@ def fl_bwd_snapshot(
         t13 = (t12 * t11)
         ds0 = tl.where(mask_mn, tl.broadcast_to(t13, [BLOCK_N, BLOCK_M]), 0.0)
         dk0 = tl.dot(ds0, tl.trans(ld6), dk0, input_precision="ieee")
-    for i5 in range(0, f3 - lo1 + hi2 - f4):  # masked blocks: [lo1, f3), then [f4, hi2)
-        start_m = (lo1 + i5 + tl.where(i5 < f3 - lo1, 0, f4 - f3)) * BLOCK_M
+    i5_head = tl.maximum((f3) - (lo1), 0)  # masked blocks: [lo1, f3), then [f4, hi2)
+    for i5 in range(0, i5_head + tl.maximum((hi2) - (f4), 0)):
+        start_m = ((lo1) + i5 + tl.where(i5 < i5_head, 0, (f4) - (lo1) - i5_head)) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = offs_m < M
         # the forward's softmax shifts, and dL/d(reduction) from the output expression
@@ -207,7 +208,7 @@ def fl_bwd_snapshot_dq(
     dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
     dq0 = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
     ld2 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
-    for start_n in range(0 * BLOCK_N, N // BLOCK_N * BLOCK_N, BLOCK_N):  # full blocks: no masks
+    for start_n in range((0) * BLOCK_N, (N // BLOCK_N) * BLOCK_N, BLOCK_N):  # full blocks: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
         mask_mn = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)
@@ -228,7 +229,7 @@ def fl_bwd_snapshot_dq(
         ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
         dq0 = tl.dot(ds0, tl.trans(ld3), dq0, input_precision="ieee")
     if not EVEN_N:
-        for start_n in range(N // BLOCK_N * BLOCK_N, tl.cdiv(N, BLOCK_N) * BLOCK_N, BLOCK_N):
+        for start_n in range((N // BLOCK_N) * BLOCK_N, (tl.cdiv(N, BLOCK_N)) * BLOCK_N, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
             mask_mn = mask_m[:, None] & mask_n[None, :]
