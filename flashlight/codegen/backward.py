@@ -36,7 +36,7 @@ from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_bod
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
-                     batch_index, block_loops, dk_chunks, full_tile, key_block, operand_dtype, out_offsets,
+                     batch_index, block_loops, dk_chunks, dv_state, full_tile, key_block, operand_dtype, out_offsets,
                      piece_ctx, segment_bounds, short_expr)
 
 
@@ -287,9 +287,8 @@ class TileWriter(KernelWriter):
                 block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
             else:               # [BLOCK_M, DV] as written, per DV piece
                 for ctx in self.piece_ctxs("dv", CTX_O):
-                    mask = " & ".join(f"{ctx.masks[v]}" for v in ("m", "dv") if v in ctx.masks)
-                    block.lines.append(f"dr{j}{ctx.name[1:]} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
-                                       f" + {self.dg.cols[j]} + {ctx.vars['dv']}, mask={mask}, other=0.0)")
+                    block.lines.append(f"d{dv_state(j, ctx)} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
+                                       f" + {self.dg.cols[j]} + {ctx.vars['dv']}, mask={ctx.mask('m', 'dv')}, other=0.0)")
 
     def accumulators(self) -> None:
         """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
@@ -331,7 +330,7 @@ class TileWriter(KernelWriter):
                 drs = []
                 for c, (vctx, octx) in enumerate(zip(self.piece_ctxs("dv", CTX_V), self.piece_ctxs("dv", CTX_O))):
                     v, vdt = self.dot_operand(rd.v, vctx, loop)
-                    dr = f"dr{j}{octx.name[1:]}"
+                    dr = f"d{dv_state(j, octx)}"
                     dr = dr if self.dg.dtype == vdt else self.cast(dr, vdt)
                     acc = f"dp{j}" if c else None
                     dp = self.tl_dot(v, f"tl.trans({dr})", vdt, acc) if self.transposed else \

@@ -127,6 +127,10 @@ class Ctx:
     # arange(BLOCK_N) along axis 1, a multiple of BLOCK_N), for dropout's grouped draws
     key_start: str | None = None
 
+    def mask(self, *dims: str) -> str:
+        """The bounds mask of ``dims`` in this context ('' when none has one)."""
+        return " & ".join(self.masks[v] for v in dims if v in self.masks)
+
 
 @dataclass
 class Block:

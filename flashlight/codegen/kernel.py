@@ -68,6 +68,12 @@ def dv_pieces(region: Region) -> list[tuple[int, int]] | None:
     return pieces
 
 
+def dv_state(j: int, octx: Ctx) -> str:
+    """The register tile of P @ V product ``j`` on output context ``octx``: ``r{j}`` for the whole
+    tile, ``r{j}_{off}_{width}`` for a DV piece (``piece_ctx``'s suffix)."""
+    return f"r{j}{octx.name[len(CTX_O.name):]}"
+
+
 def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
     """``base`` with head-dim var ``dim`` (``dk`` or ``dv``) narrowed to the piece ``off +
     arange(width)`` — in bounds by construction, so without that var's mask — and its tile
@@ -191,7 +197,11 @@ class KernelWriter:
         self.em = Emitter()
         self.outer = Block()
         self.stats: list[BlockStat] = []
-        self.dv_pieces = dv_pieces(region) if self.split_dv else None
+        # (V context, output context) of each DV piece of a P @ V product, or of the whole
+        # padded tile; a product's state is r{j} plus the output context's suffix (``dv_state``)
+        pieces = dv_pieces(region) if self.split_dv else None
+        self.dv_ctxs = [(piece_ctx(CTX_V, "dv", off, w), piece_ctx(CTX_O, "dv", off, w)) for off, w in pieces] \
+            if pieces else [(CTX_V, CTX_O)]
 
     # -- operands of tl.dot -----------------------------------------------------------------
     def dot_operand(self, e: Expr, ctx: Ctx, block: Block) -> tuple[str, torch.dtype]:
@@ -226,19 +236,18 @@ class KernelWriter:
         for j in members:
             kind = r.reductions[j].kind
             init = NEG_INF if kind == "max" else "0.0"
-            if kind == "dot" and self.dv_pieces:
-                out.lines += [f"r{j}_{off} = tl.full([BLOCK_M, {w}], 0.0, tl.float32)" for off, w in self.dv_pieces]
-                continue
-            cols = "BLOCK_DV" if kind == "dot" else "1"
-            out.lines.append(f"r{j} = tl.full([BLOCK_M, {cols}], {init}, tl.float32)")
+            if kind == "dot":
+                out.lines += [f"{dv_state(j, o)} = tl.full({TILE[o.name][2]}, {init}, tl.float32)" for _, o in self.dv_ctxs]
+            else:
+                out.lines.append(f"r{j} = tl.full([BLOCK_M, 1], {init}, tl.float32)")
         self.seed(members)
         out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full))
         for j in members:
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
                 em.red_names[j] = f"r{j}_s"
-            elif r.reductions[j].kind == "dot" and self.dv_pieces:
-                em.red_names.pop(j, None)       # r{j}_{off} per piece: only the epilogue reads them
+            elif r.reductions[j].kind == "dot" and len(self.dv_ctxs) > 1:
+                em.red_names.pop(j, None)       # a state per piece: only the epilogue reads them
             else:
                 em.red_names[j] = f"r{j}"
 
@@ -322,20 +331,16 @@ class KernelWriter:
             scaled = f"r{j} * alpha{red.online}" if red.online is not None else f"r{j}"
             if red.kind == "sum":
                 loop.lines.append(f"r{j} = {scaled} + tl.sum({contrib}, 1, keep_dims=True)")
-            elif self.dv_pieces:        # one product per DV piece, one P tile for all
+            else:                       # P @ V: a product per DV piece (or the whole tile), one P tile
                 p = None
-                for off, w in self.dv_pieces:
-                    v, vdt = self.dot_operand(red.v, piece_ctx(CTX_V, "dv", off, w), loop)
+                for vctx, octx in self.dv_ctxs:
+                    v, vdt = self.dot_operand(red.v, vctx, loop)
                     if p is None:
                         p = em.fresh("p")
                         loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S, r)}.to({TL_DTYPE[vdt]})")
-                    acc = f"r{j}_{off} * alpha{red.online}" if red.online is not None else f"r{j}_{off}"
-                    loop.lines.append(f"r{j}_{off} = {self.tl_dot(p, v, vdt, acc=acc)}")
-            else:
-                v, vdt = self.dot_operand(red.v, CTX_V, loop)
-                p = em.fresh("p")
-                loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S, r)}.to({TL_DTYPE[vdt]})")
-                loop.lines.append(f"r{j} = {self.tl_dot(p, v, vdt, acc=scaled)}")
+                    acc = dv_state(j, octx)
+                    scaled = f"{acc} * alpha{red.online}" if red.online is not None else acc
+                    loop.lines.append(f"{acc} = {self.tl_dot(p, v, vdt, acc=scaled)}")
         for j, red in reds:
             if red.kind == "max":
                 loop.lines.append(f"r{j} = r{j}_new")
@@ -386,12 +391,9 @@ class KernelWriter:
         for j, (red, c) in enumerate(zip(self.r.reductions, rowstat_columns(self.r)[0])):
             if c is None:
                 continue        # recomputed from the output (ir.region.from_output)
-            if red.kind == "dot" and self.dv_pieces:
-                self.outer.lines += [f"    tl.store({row} + {c} + {off} + tl.arange(0, {w})[None, :], r{j}_{off}, "
-                                     "mask=mask_m[:, None])" for off, w in self.dv_pieces]
-            elif red.kind == "dot":
-                self.outer.lines.append(f"    tl.store({row} + {c} + offs_dv[None, :], r{j}, "
-                                        "mask=mask_m[:, None] & mask_dv[None, :])")
+            if red.kind == "dot":
+                self.outer.lines += [f"    tl.store({row} + {c} + {o.vars['dv']}, {dv_state(j, o)}, mask={o.mask('m', 'dv')})"
+                                     for _, o in self.dv_ctxs]
             else:
                 self.outer.lines.append(f"    tl.store({row} + {c}, {self.em.red_names[j]}, mask=mask_m[:, None])")
 
@@ -424,19 +426,12 @@ class KernelWriter:
         self.store_rowstats()
         self.em.loop_reds = set()
         self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
-        if self.dv_pieces:      # the output expression once per piece, on that piece's columns
-            for off, w in self.dv_pieces:
-                ctx = piece_ctx(CTX_O, "dv", off, w)
-                self.em.red_names.update({j: f"r{j}_{off}" for j, red in enumerate(r.reductions) if red.kind == "dot"})
-                val = full_tile(self.em.emit(r.out, ctx, out), r.out, ctx, r)
-                out.lines.append(f"tl.store(out_ptr + {out_offsets(r, self.em, out, 'out', ctx)}, "
-                                 f"{val}.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])")
-            self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
-        else:
-            val = full_tile(self.em.emit(r.out, CTX_O, out), r.out, CTX_O, r)
-            offs = out_offsets(r, self.em, out, "out")
-            out.lines.append(f"tl.store(out_ptr + {offs}, {val}.to(out_ptr.dtype.element_ty), "
-                             f"mask=mask_m[:, None] & mask_dv[None, :])")
+        for _, ctx in self.dv_ctxs:     # the output expression per DV piece's columns (or on the whole tile)
+            self.em.red_names.update({j: dv_state(j, ctx) for j, red in enumerate(r.reductions) if red.kind == "dot"})
+            val = full_tile(self.em.emit(r.out, ctx, out), r.out, ctx, r)
+            out.lines.append(f"tl.store(out_ptr + {out_offsets(r, self.em, out, 'out', ctx)}, "
+                             f"{val}.to(out_ptr.dtype.element_ty), mask={ctx.mask('m', 'dv')})")
+        self.em.red_names = {j: f"r{j}" for j in range(len(r.reductions))}
         for k, row in enumerate(r.rows):
             val = f"tl.broadcast_to({self.em.emit(row.expr, CTX_O, out)}, [BLOCK_M, 1])"
             offs = [f"b{d} * row{k}_s{d}" for d in range(nb)] + [f"offs_m[:, None] * row{k}_s{nb}"]
