@@ -113,7 +113,7 @@ def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(op, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
     timed = []
-    monkeypatch.setattr(op.CompiledRegion, "autotune", lambda self, inputs, cfgs: timed.append(1) or cfgs[1])
+    monkeypatch.setattr(op.CompiledRegion, "autotune", lambda self, launch, cfgs, default: timed.append(1) or cfgs[1])
     inputs = [SimpleNamespace(device=torch.device("cuda"))]    # config() only asks where inputs live
     assert fresh(False).config(inputs) == heuristic(16, 1, False) and timed == []
     assert fresh(True).config(inputs) == two[1] and timed == [1]
@@ -401,3 +401,59 @@ def test_plain_softmax_saves_two_floats_per_row_and_rebuilds_the_product_from_th
         got = torch.ops.flashlight.region_backward(c.key, [q, k, v], rowstats, grad, *extra)
         assert max(rel_error(a, b) for a, b in zip(got, want)) < 1e-3
         assert c.bwd_launches - before == generated
+
+
+def test_autotune_never_picks_a_config_whose_results_disagree(monkeypatch):
+    """The tuner times only configs whose outputs match the default config's: a faster config
+    that computes something else (a block shape the compiler gets wrong) is rejected, a faster
+    one that differs by summation order is kept, and infinities must sit in the same places."""
+    import triton.testing
+    from flashlight.runtime import op
+    from flashlight.tune import Config
+    default, wrong, reordered, slow = (Config(64, 64, 4, 3), Config(32, 128, 4, 3), Config(32, 64, 4, 3),
+                                       Config(128, 64, 8, 3))
+    torch.manual_seed(0)
+    ref = torch.randn(1000).to(torch.bfloat16)
+    rows = torch.tensor([1.0, float("-inf")])
+    results = {default: [ref, rows], slow: [ref, rows],
+               reordered: [(ref.float() * (1 + 1e-4 * torch.randn(1000))).to(torch.bfloat16), rows],
+               wrong: [ref * 2, rows]}
+    times = {default: 3.0, wrong: 1.0, reordered: 2.0, slow: 4.0}
+    current = []
+
+    def launch(cfg):
+        current[:] = [cfg]
+        return results[cfg][0], (results[cfg][1], None)      # nested, as the forward's (outs, rowstats)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[current[0]])[1])
+    c = SimpleNamespace()
+    tune = op.CompiledRegion.autotune
+    assert tune(c, launch, [wrong, reordered, slow], default) == reordered
+    assert tune(c, launch, [wrong, slow], default) == default
+    results[reordered][1] = torch.tensor([1.0, 0.0])        # a -inf row statistic became finite
+    assert tune(c, launch, [wrong, reordered, slow], default) == default
+    assert op.agree([ref], [ref]) and not op.agree([ref], [ref, ref]) and not op.agree([ref * float("nan")], [ref])
+
+
+def test_tuning_launch_of_a_backward_kernel_returns_its_gradients(monkeypatch):
+    """What the tuner times and compares for a backward tile kernel (``tuned_run``): that kernel
+    alone, into fresh buffers, returning the gradients it wrote — those of autograd's step."""
+    from flashlight.runtime import op
+    from flashlight.tune import INTERPRETER
+    xs = [x.requires_grad_() if x.is_floating_point() else x for x in document_mask.make_inputs(B=1, H=2, M=40, D=16)]
+    seen = {}
+    run = op.CompiledRegion.run
+    monkeypatch.setattr(op.CompiledRegion, "run", lambda self, inputs, *a: seen.update(c=self, inputs=inputs) or
+                        run(self, inputs, *a))
+    out = torch.compile(document_mask.attention, backend="flashlight")(*xs)
+    grad = torch.randn_like(out)
+    grads = {(x.data_ptr(), x.shape): g for x, g in zip(xs, torch.autograd.grad(out, xs[:3], grad))}
+    c, inputs = seen["c"], [x.detach() for x in seen["inputs"]]
+    o, rowstats = c.run(inputs)
+    k = c.backward_kernels()
+    drows = k.launch_rows(inputs, rowstats, o, grad, k.buffers(inputs), INTERPRETER)
+    for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
+        got = op.tuned_run(k, kernel, launch, inputs, rowstats, drows, {}, INTERPRETER)
+        want = [grads[inputs[i].data_ptr(), inputs[i].shape] for i in k.plan.written(kernel)]
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            assert rel_error(g, w) < 1e-6

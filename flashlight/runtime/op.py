@@ -205,21 +205,31 @@ class CompiledRegion:
             key = TuningCache.key(bucket(r.M, r.N, math.prod(r.batch)), torch.cuda.get_device_name(inputs[0].device))
             disk = TuningCache(self.path.parent, self.name if kernel == "fwd" else f"{self.bwd_name}_{kernel}")
             cfg = disk.load().get(key)
+            default = heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
+                backward_heuristic(block_d, kernel, self.sparse, len(r.dots))
             if cfg is None and self.max_autotune:
                 space = candidates(block_d, len(r.dots), r.M) if kernel == "fwd" else backward_candidates(block_d, kernel)
-                cfg = self.autotune(tune or (lambda c: self.launch(inputs, c)), space)
+                cfg = self.autotune(tune or (lambda c: self.launch(inputs, c)), space, default)
                 disk.store(key, cfg)
             elif cfg is None:
-                cfg = heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-                    backward_heuristic(block_d, kernel, self.sparse, len(r.dots))
+                cfg = default
         self.tuned[mem_key] = cfg
         return cfg
 
-    def autotune(self, launch, configs: list[Config]) -> Config:
+    def autotune(self, launch, configs: list[Config], default: Config) -> Config:
+        """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
+        it wrote: tensors, in lists or tuples) whose results agree with the default's
+        (``agree``): a block shape the compiler gets wrong is never picked, however fast. The
+        default's results are the reference (the config the tests run); if it does not fit,
+        the first config that runs is."""
         from triton.testing import do_bench
-        best, best_t = configs[0], float("inf")
-        for cfg in configs:
+        ref, best, best_t = None, default, float("inf")
+        for cfg in [default] + [c for c in configs if c != default]:
             try:
+                got = tensors_in(launch(cfg))
+                ref = got if ref is None else ref
+                if not agree(got, ref):
+                    continue
                 t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
             except Exception:  # noqa: BLE001 — a config that does not fit (shared memory) is skipped
                 continue
@@ -244,7 +254,8 @@ class CompiledRegion:
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
             self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
-                         tune=lambda cfg, run=launch: run(inputs, rowstats, drows, k.buffers(inputs), block_stats, cfg))
+                         tune=lambda cfg, run=launch, kernel=kernel: tuned_run(k, kernel, run, inputs, rowstats, drows,
+                                                                               block_stats, cfg))
         self.bwd_launches += 1
         return k.results(inputs, bufs)
 
@@ -286,6 +297,43 @@ def kernel_args(r: Region, block_stats: list, inputs: list[torch.Tensor], outs: 
     args += [rowstats, r.M * rowstats.shape[-1], rowstats.shape[-1]]
     args += block_stat_args(block_stats, inputs, cache)
     return args + [*r.batch, r.M, r.N]
+
+
+def tensors_in(result) -> list[torch.Tensor]:
+    """The tensors in a launch's result (nested lists and tuples; None skipped)."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [t for x in result or () for t in tensors_in(x)]
+
+
+def tuned_run(k: BackwardKernels, kernel: str, run, inputs: list[torch.Tensor], rowstats: torch.Tensor, drows,
+              block_stats: dict, cfg: Config) -> list[torch.Tensor]:
+    """One backward tile kernel (``kernel``: ``"dkdv"`` or ``"dq"``, launched by ``run``) into
+    buffers of its own, for timing configs: the gradients it wrote."""
+    bufs = k.buffers(inputs)
+    run(inputs, rowstats, drows, bufs, block_stats, cfg)
+    return [bufs[i] for i in k.plan.written(kernel)]
+
+
+TUNE_AGREEMENT = 5e-3
+
+
+def agree(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float = TUNE_AGREEMENT) -> bool:
+    """Do two configs' results match up to summation order? Each tensor's relative error (norm
+    of the difference over the reference's finite part) below ``tol``, with infinities and NaNs
+    in the same places. Reordered fp32 sums round to bf16 within ~1e-3; a miscompiled block
+    shape is off by O(1)."""
+    if len(got) != len(ref):
+        return False
+    for x, y in zip(got, ref):
+        x, y = x.float(), y.float()
+        same = (x == y) | (x.isnan() & y.isnan())
+        diff = torch.where(same, 0.0, x - y)
+        if not bool(diff.isfinite().all()):
+            return False
+        if float(diff.norm()) > tol * float(torch.where(y.isfinite(), y, 0.0).norm()):
+            return False
+    return True
 
 
 def launch_meta(r: Region, cfg: Config, stats: bool | None = None) -> dict:
