@@ -4,6 +4,7 @@ import os
 # before any kernel module is imported (Triton picks the interpreter at @jit time).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("FLASHLIGHT_STRICT", "1")      # internal errors fail tests, not fall back
+os.environ.setdefault("FLASHLIGHT_POISON", "1")      # kernel outputs start as NaN (runtime/buffers.py)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -457,3 +457,16 @@ def test_tuning_launch_of_a_backward_kernel_returns_its_gradients(monkeypatch):
         assert len(got) == len(want) > 0
         for g, w in zip(got, want):
             assert rel_error(g, w) < 1e-6
+
+
+def test_the_suite_runs_with_poisoned_buffers():
+    """Every kernel test runs with outputs, row statistics, gradients and workspaces NaN-filled
+    before the launch (FLASHLIGHT_POISON=1, set in conftest): an element a kernel fails to write
+    fails its test instead of reading back a freed buffer's stale values."""
+    from flashlight.runtime import buffers, op
+    assert buffers.POISON
+    r = flashlight.explain(causal.attention, *causal.make_inputs(B=1, H=1, M=20, D=16)).regions[0]
+    c = op.REGISTRY[r.key]
+    out, = c.new_outputs(torch.zeros(1))
+    assert out.isnan().all()
+    assert not buffers.unwritten(torch.zeros(3, dtype=torch.int32)).any()      # integer buffers as they are

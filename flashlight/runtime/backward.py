@@ -14,6 +14,7 @@ from ..codegen.backward import KernelStats
 from ..codegen.gradients import GradPlan
 from ..ir import Region
 from ..tune import Config, cdiv, head_block, pow2
+from .buffers import unwritten
 
 
 @dataclass
@@ -33,7 +34,7 @@ class BackwardKernels:
         for i in self.plan.written():
             x = inputs[i]
             if i in self.plan.stored:
-                bufs[i] = torch.empty_like(x)
+                bufs[i] = unwritten(torch.empty_like(x))
             elif x.dtype == torch.float32:
                 bufs[i] = torch.zeros_like(x)
             else:
@@ -72,8 +73,8 @@ class BackwardKernels:
         ``out``: the forward's output, from which a plain softmax's product is recomputed
         (``ir.region.from_output``)."""
         r, dg = self.region, self.stats.dot_grads
-        drow = torch.empty_like(rowstats)
-        ddot = torch.empty((math.prod(r.batch), r.M, dg.width), dtype=dg.dtype, device=rowstats.device)
+        drow = unwritten(torch.empty_like(rowstats))
+        ddot = unwritten(torch.empty((math.prod(r.batch), r.M, dg.width), dtype=dg.dtype, device=rowstats.device))
         args = self.common(inputs, bufs, "rows", rowstats, drow, ddot, out=out, dout=grad) + [*r.batch, r.M]
         self.rows[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
             *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)

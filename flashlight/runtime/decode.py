@@ -25,6 +25,7 @@ import torch
 from .._compat import fast_launch
 from ..codegen.split import generate_split, pack_heads, splittable
 from ..tune import cdiv
+from .buffers import unwritten
 from .cache import load_module, source_hash
 
 MAX_M = 16
@@ -102,7 +103,7 @@ class SplitKernels:
             return False
         r = self.region
         views = [outs[0].view(p.out_shape)] + [o.view(p.row_shape) for o in outs[1:]]
-        ws = torch.empty(p.workspace, dtype=torch.float32, device=device)
+        ws = unwritten(torch.empty(p.workspace, dtype=torch.float32, device=device))
         if stats:
             rowstats = rowstats.view(*p.row_shape, rowstats.shape[-1])     # packed rows: same memory order
         args = [*kernel_args(r, self.stats, inputs, views, rowstats, block_stats), ws, p.splits, p.per]

@@ -34,6 +34,7 @@ from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backw
                     cdiv, head_block, heuristic, pow2, rows_config, smaller)
 from . import decode
 from .backward import BackwardKernels
+from .buffers import unwritten
 from .cache import load_module, source_hash
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
@@ -162,8 +163,8 @@ class CompiledRegion:
 
     def new_outputs(self, like: torch.Tensor) -> list[torch.Tensor]:
         r = self.region
-        rows = [like.new_empty((*r.batch, r.M), dtype=x.dtype) for x in r.rows]
-        return [like.new_empty(self.out_shape, dtype=r.out_dtype), *rows]
+        rows = [unwritten(like.new_empty((*r.batch, r.M), dtype=x.dtype)) for x in r.rows]
+        return [unwritten(like.new_empty(self.out_shape, dtype=r.out_dtype)), *rows]
 
     def launch(self, inputs: list[torch.Tensor], cfg: Config, stats: bool = True,
                block_stats: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -172,7 +173,7 @@ class CompiledRegion:
         the kernels skip those stores (they get a one-element placeholder) and None is returned."""
         r = self.region
         outs = self.new_outputs(inputs[0])
-        rowstats = inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32)
+        rowstats = unwritten(inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32))
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
         if not (split and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)):
             meta = self.metas.get((cfg, stats))
