@@ -101,3 +101,20 @@ def test_training_case_checks_gradients(tmp_path, monkeypatch):
     assert r["eager_ok"] == "True"
     B, H, N, D = 2, 2, 40, 32
     assert math.isclose(float(r["gflop"]), 3.5 * 4 * D * H * B * N * (N + 1) / 2 / 1e9, rel_tol=1e-5)
+
+
+def test_backward_config_sweep_checks_each_config_against_float64(tmp_path, monkeypatch):
+    """benchmarks.backward_configs on CPU: every config of both tile kernels, run alone into
+    fresh poisoned buffers, matches float64 autograd; a config that computed something else
+    would show as a large error in the CSV."""
+    import sys
+
+    from benchmarks import backward_configs
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["backward_configs", "--device", "cpu", "--variants", "document_mask",
+                                      "--b", "1", "--h", "2", "--n", "40", "--d", "16"])
+    backward_configs.main()
+    rows = list(csv.DictReader(open(tmp_path / "backward_configs_d16.csv")))
+    assert [r["kernel"] for r in rows] == ["dkdv", "dkdv", "dq", "dq"]
+    assert all(float(r["err"]) < 1e-5 and not r["note"] for r in rows)
+    assert [r["default"] for r in rows] == ["True", "False", "True", "False"]
