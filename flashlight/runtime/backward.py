@@ -26,12 +26,13 @@ class BackwardKernels:
     dkdv: object
     dq: object
 
-    def buffers(self, inputs: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """What the kernels write each gradient into: ``empty_like(x)`` where one program owns
-        each address (a store in x's dtype, ``plan.stored``), fp32 zeros for atomic adds
-        (``zeros_like(x)`` itself when x is fp32: no copy afterwards)."""
+    def buffers(self, inputs: list[torch.Tensor], kernel: str | None = None) -> dict[int, torch.Tensor]:
+        """What the kernels (``kernel`` alone: ``"dkdv"`` or ``"dq"``; default all) write each
+        gradient into: ``empty_like(x)`` where one program owns each address (a store in x's
+        dtype, ``plan.stored``), fp32 zeros for atomic adds (``zeros_like(x)`` itself when x is
+        fp32: no copy afterwards)."""
         bufs = {}
-        for i in self.plan.written():
+        for i in self.plan.written(kernel):
             x = inputs[i]
             if i in self.plan.stored:
                 bufs[i] = unwritten(torch.empty_like(x))

@@ -1,8 +1,10 @@
-"""Fresh buffers that a kernel must write in full (outputs, row statistics, gradients, the
+"""Fresh buffers the kernels write (outputs, row statistics, gradients, row gradients, the
 split-KV workspace): ``torch.empty`` as they are, or filled with NaN under
-``FLASHLIGHT_POISON=1`` — the test suite's setting. An element a kernel fails to write (or one it
-reads before writing it) then shows as NaN, instead of reading back a freed buffer's stale values:
-the caching allocator often hands back the previous call's memory, which held the right answer.
+``FLASHLIGHT_POISON=1`` — the test suite's setting. Every element that is read (by the caller, or
+by a later kernel: the row gradients are written only in the columns the tile kernels read) must
+have been written; one that was not then shows as NaN, instead of reading back a freed buffer's
+stale values — the caching allocator often hands back the previous call's memory, which held the
+right answer.
 """
 from __future__ import annotations
 

@@ -161,10 +161,10 @@ class CompiledRegion:
     def out_dtypes(self) -> list[torch.dtype]:
         return [self.region.out_dtype] + [x.dtype for x in self.region.rows]
 
-    def new_outputs(self, like: torch.Tensor) -> list[torch.Tensor]:
+    def new_outputs(self, like: torch.Tensor, fresh=unwritten) -> list[torch.Tensor]:
         r = self.region
-        rows = [unwritten(like.new_empty((*r.batch, r.M), dtype=x.dtype)) for x in r.rows]
-        return [unwritten(like.new_empty(self.out_shape, dtype=r.out_dtype)), *rows]
+        rows = [fresh(like.new_empty((*r.batch, r.M), dtype=x.dtype)) for x in r.rows]
+        return [fresh(like.new_empty(self.out_shape, dtype=r.out_dtype)), *rows]
 
     def launch(self, inputs: list[torch.Tensor], cfg: Config, stats: bool = True,
                block_stats: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -221,15 +221,20 @@ class CompiledRegion:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
         it wrote: tensors, in lists or tuples) whose results agree with the default's
         (``agree``): a block shape the compiler gets wrong is never picked, however fast. The
-        default's results are the reference (the config the tests run); if it does not fit,
-        the first config that runs is."""
+        reference is the default's results (the config the GPU tests run), or where it does not
+        fit those of the smaller configs ``fitting`` would fall back to, in order — never an
+        arbitrary candidate, which could be the wrong one."""
         from triton.testing import do_bench
-        ref, best, best_t = None, default, float("inf")
+        ref, fallback = None, default
+        while ref is None and fallback is not None:     # what fitting() would run, in order
+            try:
+                ref = tensors_in(launch(fallback))
+            except Exception:  # noqa: BLE001 — does not fit: the next smaller one
+                fallback = smaller(fallback)
+        best, best_t = default, float("inf")
         for cfg in [default] + [c for c in configs if c != default]:
             try:
-                got = tensors_in(launch(cfg))
-                ref = got if ref is None else ref
-                if not agree(got, ref):
+                if ref is None or not agree(tensors_in(launch(cfg)), ref):
                     continue
                 t = do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
             except Exception:  # noqa: BLE001 — a config that does not fit (shared memory) is skipped
@@ -311,28 +316,35 @@ def tuned_run(k: BackwardKernels, kernel: str, run, inputs: list[torch.Tensor], 
               block_stats: dict, cfg: Config) -> list[torch.Tensor]:
     """One backward tile kernel (``kernel``: ``"dkdv"`` or ``"dq"``, launched by ``run``) into
     buffers of its own, for timing configs: the gradients it wrote."""
-    bufs = k.buffers(inputs)
+    bufs = k.buffers(inputs, kernel)
     run(inputs, rowstats, drows, bufs, block_stats, cfg)
     return [bufs[i] for i in k.plan.written(kernel)]
 
 
-TUNE_AGREEMENT = 5e-3
+TUNE_AGREEMENT = 2e-2      # per element, relative to |reference| + its tensor's RMS
+NEGLIGIBLE = 1e-5          # a tensor this small against the largest result is rounding noise
 
 
 def agree(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float = TUNE_AGREEMENT) -> bool:
-    """Do two configs' results match up to summation order? Each tensor's relative error (norm
-    of the difference over the reference's finite part) below ``tol``, with infinities and NaNs
-    in the same places. Reordered fp32 sums round to bf16 within ~1e-3; a miscompiled block
-    shape is off by O(1)."""
+    """Do two configs' results match up to summation order? Infinities and NaNs in the same
+    places, and every other element within ``tol`` * (|reference| + the reference tensor's RMS):
+    reordered fp32 sums stored in bf16 differ by an ulp or two (<= 0.8%), a miscompiled block
+    shape by O(1) in the elements it touches, however few. A tensor whose RMS is below
+    ``NEGLIGIBLE`` times the largest one's (a gradient that is zero up to rounding, such as a
+    per-query bias's under a softmax: fp32 atomics leave noise there) is checked only for
+    infinities and NaNs."""
     if len(got) != len(ref):
         return False
-    for x, y in zip(got, ref):
+    finite = [torch.where(y.isfinite(), y.float(), 0.0) for y in ref]
+    rms = [float(y.square().mean().sqrt()) if y.numel() else 0.0 for y in finite]
+    largest = max(rms, default=0.0)
+    for x, y, y0, s in zip(got, ref, finite, rms):
         x, y = x.float(), y.float()
         same = (x == y) | (x.isnan() & y.isnan())
         diff = torch.where(same, 0.0, x - y)
         if not bool(diff.isfinite().all()):
             return False
-        if float(diff.norm()) > tol * float(torch.where(y.isfinite(), y, 0.0).norm()):
+        if s >= NEGLIGIBLE * largest and not bool((diff.abs() <= tol * (y0.abs() + s)).all()):
             return False
     return True
 
@@ -541,7 +553,7 @@ def region_rows_op(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @region_rows_op.register_fake
 def _region_rows_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return REGISTRY[key].new_outputs(inputs[0])
+    return REGISTRY[key].new_outputs(inputs[0], fresh=lambda x: x)     # shapes only: nothing to poison
 
 
 @torch.library.custom_op("flashlight::region_rows_backward", mutates_args=())

@@ -140,6 +140,9 @@ def bucket(*sizes: int) -> tuple[int, ...]:
     return tuple(pow2(s) for s in sizes)
 
 
+TUNER = "tuner 2"      # in the disk key: results of an older tuner (v1: no agreement check) are not reused
+
+
 class TuningCache:
     """Winning configs on disk, one JSON file per kernel; an unreadable file counts as empty."""
 
@@ -148,7 +151,7 @@ class TuningCache:
 
     @staticmethod
     def key(bucket_: tuple[int, ...], device: str) -> str:
-        return f"{device}|torch {torch.__version__}|triton {triton.__version__}|{bucket_}"
+        return f"{device}|torch {torch.__version__}|triton {triton.__version__}|{TUNER}|{bucket_}"
 
     def load(self) -> dict[str, Config]:
         try:
