@@ -36,6 +36,21 @@ def test_biases_of_every_broadcast_shape_and_a_score_scalar():
     check_grads(attn, (q, k, v, col, head, row, temp))
 
 
+def test_learned_alibi_slopes_get_their_gradient():
+    """A learned per-head slope times the query-key distance: base 2 folds log2(e) into the
+    slope (one value per program) and the distance becomes float(n) - float(m); the slope's
+    gradient (a sum over every score of its head) and q/k/v's still match float64."""
+    H, M, N, D = 3, 19, 23, 16
+    q, k, v = torch.randn(1, H, M, D), torch.randn(1, H, N, D), torch.randn(1, H, N, D)
+    slopes = torch.rand(H) * 0.5
+
+    def attn(q, k, v, slopes):
+        dist = torch.arange(N)[None, :] - torch.arange(M)[:, None]
+        s = q @ k.mT * D ** -0.5 + slopes[:, None, None] * dist
+        return torch.softmax(s.masked_fill(dist > 0, float("-inf")), -1) @ v
+    check_grads(attn, (q, k, v, slopes))
+
+
 def test_fully_masked_rows_get_zero_gradients():
     """A row whose every key is masked outputs 0 (FlexAttention's convention) and passes no
     gradient; the oracle spells that semantics out (eager softmax would give NaN)."""

@@ -207,3 +207,42 @@ def test_base2_declines_when_the_output_reads_an_unfoldable_shift():
     s = q @ k.mT * 0.5
     ref = (torch.softmax(s, -1) @ v) * torch.exp(tt - s.amax(-1))[..., None]
     assert torch.allclose(evaluate(r, [q, k, v, tt]), ref, atol=1e-5)
+
+
+def _alibi(slope_shape=(2,)):
+    """softmax(where(n <= m, 0.5 s + slope[b0] * (n - m), -inf)) @ v with a loaded per-batch
+    slope, as capture builds ALiBi (distance in integers, promoted by the multiply)."""
+    slope = load(3, (var("b0"),), "f")
+    r = _masked_softmax(float("-inf"), bias=call("mul", slope, call("sub", n, var("m"))))
+    r.inputs.append(Input("slope", slope_shape, torch.float32))
+    return r
+
+
+def test_base2_folds_log2e_into_a_per_program_factor():
+    """ALiBi's slope is one value per program (batch indices only): log2(e) goes into it, once
+    per program, and the softmax runs in base 2 like the unbiased one — same values."""
+    from flashlight.rewrite import LOG2E
+    r = rewrite(_alibi())
+    assert r.reductions[0].base2
+    slope = load(3, (var("b0"),), "f")
+    assert call("mul", slope, const(LOG2E)) in list(walk(r.reductions[0].body))
+    q, k, v, s = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4), torch.rand(2)
+    assert torch.allclose(evaluate(r, [q, k, v, s]), evaluate(_alibi(), [q, k, v, s]), atol=1e-6)
+
+
+def test_float_positions_turn_a_distance_in_float_arithmetic_into_a_float_difference():
+    """slope * (n - m) computes (n - m) as float(n) - float(m): per score one float subtract
+    instead of an integer subtract and a conversion. The mask's integer compare keeps n <= m,
+    and an integer distance that indexes a table is left alone."""
+    from flashlight.rewrite import float_positions
+    r = rewrite(_alibi())
+    body = list(walk(r.reductions[0].body))
+    fdist = call("sub", call("to_f", n), call("to_f", var("m")))
+    assert fdist in body and call("sub", n, var("m")) not in body and call("le", n, var("m")) in body
+    assert float_positions(r) is None                              # a fixed point
+    table = load(3, (call("add", call("sub", n, var("m")), const(6)),), "f")     # a relative-position table
+    t = _masked_softmax(float("-inf"), bias=table)
+    t.inputs.append(Input("table", (13,), torch.float32))
+    assert float_positions(t) is None
+    shifted = _masked_softmax(float("-inf"), bias=call("mul", const(0.1), call("sub", call("add", n, const(3)), var("m"))))
+    assert call("to_f", call("add", n, const(3))) in list(walk(float_positions(shifted).reductions[0].body))

@@ -228,11 +228,21 @@ def _scaled_const(c: float) -> Expr:
     return const(max(-FLT_MAX, min(FLT_MAX, c * LOG2E)) if math.isfinite(c) else c)
 
 
+def per_program(e: Expr) -> bool:
+    """Is ``e`` one value per kernel program: a float of batch indices only (ALiBi's per-head
+    slope, a loaded per-head scale), computed once outside the key loop?"""
+    return e.kind == "f" and not refs(e, "dot") and not refs(e, "red") and \
+        all(v[0] == "b" and v[1:].isdigit() for v in free_vars(e))
+
+
 def _fold_mul(e: Expr) -> Expr | None:
     for x, c in (e.args, e.args[::-1]):
         if c.op == "const" and c.kind == "f" and (abs(c.args[0] * LOG2E) <= 1 or
                                                   (x.op in BOUNDED and abs(c.args[0] * LOG2E) <= FLT_MAX)):
             return call("mul", x, const(c.args[0] * LOG2E))
+    for x, c in (e.args, e.args[::-1]):
+        if c.op != "const" and per_program(c):     # scaled once per program, not per score
+            return call("mul", x, call("mul", c, const(LOG2E)))
     return None
 
 
@@ -312,12 +322,72 @@ def base2(region: Region) -> Region | None:
     return None
 
 
+POSITION_LIMIT = 1 << 20      # |offset| of a position i + c that float_positions rewrites
+
+
+def _position(e: Expr) -> str | None:
+    """The query or key index of ``e`` when it is ``m`` or ``n``, maybe plus or minus a small
+    integer constant; else None."""
+    if e.op == "var" and e.args[0] in ("m", "n"):
+        return e.args[0]
+    if e.op in ("add", "sub") and e.kind == "i":
+        a, b = e.args
+        if b.op == "const" and abs(b.args[0]) <= POSITION_LIMIT:
+            return _position(a)
+        if e.op == "add" and a.op == "const" and abs(a.args[0]) <= POSITION_LIMIT:
+            return _position(b)
+    return None
+
+
+def _float_distance(e: Expr) -> Expr | None:
+    """``n - m`` (or a sum, of positions) as the difference of the two positions in float:
+    two conversions of [BLOCK] vectors instead of one per score — an int-to-float conversion
+    runs at the rate of exp on the GPU. Exact while positions stay below 2^24 - 2^20."""
+    if e.kind != "i" or e.op not in ("add", "sub"):
+        return None
+    a, b = e.args
+    pa, pb = _position(a), _position(b)
+    if pa is None or pb is None or pa == pb:
+        return None
+    return call(e.op, call("to_f", a), call("to_f", b))
+
+
+FLOAT_OPERAND = ("add", "sub", "mul", "div")     # float arithmetic that promotes an int operand
+
+
+def float_positions(region: Region) -> Region | None:
+    """A distance between a query and a key position used in float arithmetic (ALiBi's
+    ``slope * (n - m)``, relative-position biases) is computed as ``float(n) - float(m)``."""
+    memo: dict[Expr, Expr] = {}
+
+    def go(x: Expr) -> Expr:
+        if x in memo:
+            return memo[x]
+        if x.op == "load":
+            new = Expr("load", (x.args[0], tuple(go(c) for c in x.args[1])), x.kind)
+        elif children(x):
+            args = tuple(go(c) for c in x.args)
+            if x.kind == "f" and x.op in FLOAT_OPERAND:
+                args = tuple(_float_distance(c) or c for c in args)
+            new = simplify(Expr(x.op, args, x.kind))
+        else:
+            new = x
+        memo[x] = new
+        return new
+    conv = lambda e: go(e) if e is not None else None      # noqa: E731
+    reds = [replace(r, body=conv(r.body), extra=conv(r.extra)) for r in region.reductions]
+    new = replace(region, reductions=reds, out=conv(region.out),
+                  rows=[replace(x, expr=conv(x.expr)) for x in region.rows])
+    return None if new == region else new
+
+
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("split-concat", split_concat),
     ("factor-rows", factor_rows),
     ("split-offsets", split_offsets),
     ("online", make_online),
     ("base-2", base2),
+    ("float-positions", float_positions),
 ]
 
 
