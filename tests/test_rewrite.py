@@ -246,3 +246,12 @@ def test_float_positions_turn_a_distance_in_float_arithmetic_into_a_float_differ
     assert float_positions(t) is None
     shifted = _masked_softmax(float("-inf"), bias=call("mul", const(0.1), call("sub", call("add", n, const(3)), var("m"))))
     assert call("to_f", call("add", n, const(3))) in list(walk(float_positions(shifted).reductions[0].body))
+
+
+def test_base2_does_not_fold_into_a_per_program_factor_of_a_float_value():
+    """A per-head value times a float score term (a huge finite per-head fill, say) is not
+    scaled by log2(e): only products with a position difference are, which cannot overflow."""
+    big = call("mul", load(3, (var("b0"),), "f"), const(-3e38))
+    r = _masked_softmax(float("-inf"), bias=big)
+    r.inputs.append(Input("flag", (2,), torch.float32))
+    assert base2(rewrite_online_only(r)) is None

@@ -241,9 +241,18 @@ def _fold_mul(e: Expr) -> Expr | None:
                                                   (x.op in BOUNDED and abs(c.args[0] * LOG2E) <= FLT_MAX)):
             return call("mul", x, const(c.args[0] * LOG2E))
     for x, c in (e.args, e.args[::-1]):
-        if c.op != "const" and per_program(c):     # scaled once per program, not per score
+        if c.op != "const" and per_program(c) and _index_valued(x):     # scaled once per program
             return call("mul", x, call("mul", c, const(LOG2E)))
     return None
+
+
+def _index_valued(x: Expr) -> bool:
+    """An integer expression, or a difference of positions in float (``float_positions``):
+    a factor of at most ~2^24, so scaling its per-program partner by log2(e) cannot overflow
+    where the product did not (a huge per-head fill times 1 still declines, as a constant's)."""
+    if x.kind == "i":
+        return True
+    return x.op in ("add", "sub") and all(a.op == "to_f" and _position(a.args[0]) for a in x.args)
 
 
 def _fold_div(e: Expr) -> Expr | None:
