@@ -37,7 +37,7 @@ from .emit import Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, grad_plan, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
                      batch_index, block_loops, dk_chunks, dv_state, full_tile, key_block, operand_dtype, out_offsets,
-                     piece_ctx, segment_bounds, short_expr)
+                     piece_ctx, piece_suffix, segment_bounds, short_expr)
 
 
 def _same(ds: list[int]) -> int | None:
@@ -295,11 +295,12 @@ class TileWriter(KernelWriter):
         P @ V products share one dV) and head-dim piece (``pieces``), zero before the loop."""
         ctxs = {"dq": CTX_Q, "dk": CTX_KN if self.transposed else CTX_K, "dv": CTX_V}
         for kind in self.kinds:
+            pieces = self.piece_ctxs(kind, ctxs[kind])
             for e in self.plan.accs[kind]:
                 acc = f"{kind}{len(self.accs.setdefault(kind, {}))}"
-                self.accs[kind][e] = [acc + ctx.name[len(ctxs[kind].name):] for ctx in self.piece_ctxs(kind, ctxs[kind])]
+                self.accs[kind][e] = [acc + piece_suffix(ctx, ctxs[kind]) for ctx in pieces]
                 self.outer.lines += [f"{name} = tl.zeros({TILE[ctx.name][2]}, dtype=tl.float32)"
-                                     for name, ctx in zip(self.accs[kind][e], self.piece_ctxs(kind, ctxs[kind]))]
+                                     for name, ctx in zip(self.accs[kind][e], pieces)]
 
     def tile_adjoints(self, loop: Block, full: bool) -> tuple[dict[Expr, Expr], dict[int, tuple]]:
         """Recompute the score tiles and bodies of one tile and reverse them: the adjoints of the
@@ -496,9 +497,9 @@ class DKDVWriter(TileWriter):
 
 class DQWriter(TileWriter):
     """FA2's second backward kernel: one program per (query block, batch index) loops over the
-    live key blocks exactly as the forward does (``KernelWriter.segments``: a mask-free middle and
-    one loop over the masked head and tail) and accumulates dQ = sum_n dS K in registers, written once at the end —
-    no atomics across key blocks. It writes no other gradient (the dK/dV kernel owns them)."""
+    live key blocks exactly as the forward does (``KernelWriter.segments``: a mask-free middle
+    and one loop over the masked head and tail) and accumulates dQ = sum_n dS K in registers,
+    written once at the end — no atomics across key blocks. It writes no other gradient (the dK/dV kernel owns them)."""
     axis, kinds = "n", ("dq",)
 
     def signature(self) -> list[str]:

@@ -68,10 +68,15 @@ def dv_pieces(region: Region) -> list[tuple[int, int]] | None:
     return pieces
 
 
+def piece_suffix(ctx: Ctx, base: Ctx) -> str:
+    """``_{off}_{width}`` when ``ctx`` is a head-dim piece of ``base`` (``piece_ctx``), else ''."""
+    return ctx.name[len(base.name):]
+
+
 def dv_state(j: int, octx: Ctx) -> str:
     """The register tile of P @ V product ``j`` on output context ``octx``: ``r{j}`` for the whole
-    tile, ``r{j}_{off}_{width}`` for a DV piece (``piece_ctx``'s suffix)."""
-    return f"r{j}{octx.name[len(CTX_O.name):]}"
+    tile, ``r{j}_{off}_{width}`` for a DV piece."""
+    return f"r{j}{piece_suffix(octx, CTX_O)}"
 
 
 def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
@@ -172,9 +177,9 @@ def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
 
 
 def out_offsets(region: Region, em: Emitter, block: Block, base: str, ctx: Ctx = CTX_O) -> str:
-    """Offsets of the output tile of ``ctx`` ([BLOCK_M, BLOCK_DV], or a DV piece's) in a tensor of
-    the output's shape with strides ``{base}_s{d}``: the forward's store, the backward's load of dO. A permuted or
-    reshaped output (DiffAttn's head merge) takes its index from the epilogue's views, broadcast
+    """Offsets of the output tile of ``ctx`` ([BLOCK_M, BLOCK_DV], or a DV piece's) in a tensor
+    of the output's shape with strides ``{base}_s{d}``: the forward's store, the backward's load
+    of dO. A permuted or reshaped output (DiffAttn's head merge) takes its index from the epilogue's views, broadcast
     to the whole tile (with one query, M = 1, no index term varies along m)."""
     nb = len(region.batch)
     if region.out_index is None:

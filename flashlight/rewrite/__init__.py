@@ -364,26 +364,19 @@ def _float_distance(e: Expr) -> Expr | None:
 FLOAT_OPERAND = ("add", "sub", "mul", "div")     # float arithmetic that promotes an int operand
 
 
+def _float_operands(x: Expr) -> Expr | None:
+    """``x`` with its position-difference operands in float (``_float_distance``), if it is
+    float arithmetic that has one; else None."""
+    if x.kind != "f" or x.op not in FLOAT_OPERAND:
+        return None
+    args = tuple(_float_distance(c) or c for c in x.args)
+    return None if args == x.args else simplify(Expr(x.op, args, x.kind))
+
+
 def float_positions(region: Region) -> Region | None:
     """A distance between a query and a key position used in float arithmetic (ALiBi's
     ``slope * (n - m)``, relative-position biases) is computed as ``float(n) - float(m)``."""
-    memo: dict[Expr, Expr] = {}
-
-    def go(x: Expr) -> Expr:
-        if x in memo:
-            return memo[x]
-        if x.op == "load":
-            new = Expr("load", (x.args[0], tuple(go(c) for c in x.args[1])), x.kind)
-        elif children(x):
-            args = tuple(go(c) for c in x.args)
-            if x.kind == "f" and x.op in FLOAT_OPERAND:
-                args = tuple(_float_distance(c) or c for c in args)
-            new = simplify(Expr(x.op, args, x.kind))
-        else:
-            new = x
-        memo[x] = new
-        return new
-    conv = lambda e: go(e) if e is not None else None      # noqa: E731
+    conv = lambda e: substitute(e, _float_operands) if e is not None else None      # noqa: E731
     reds = [replace(r, body=conv(r.body), extra=conv(r.extra)) for r in region.reductions]
     new = replace(region, reductions=reds, out=conv(region.out),
                   rows=[replace(x, expr=conv(x.expr)) for x in region.rows])
