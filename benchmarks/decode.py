@@ -42,7 +42,7 @@ def alibi(q, k, v):
     q_pos, kv_idx = _positions(q, k)
     slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device=q.device) / H)
     s = (q @ k.transpose(-2, -1)) * D ** -0.5 + slopes[:, None, None] * (kv_idx - q_pos)
-    return torch.softmax(s.masked_fill(kv_idx > q_pos, float("-inf")), dim=-1) @ v
+    return torch.softmax(s.masked_fill(kv_idx > q_pos, float("-inf")), dim=-1).to(v.dtype) @ v   # fp32 scores
 
 
 def make_inputs(B=8, H=32, M=1, N=4096, D=128, dtype=torch.float32, device="cpu", kv_heads=KV_HEADS):

@@ -11,4 +11,4 @@ def attention(q, k, v):
     bias = slopes[:, None, None] * dist          # [H, M, N] broadcast, computed in the kernel
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + bias
     scores = scores.masked_fill(dist > 0, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    return torch.softmax(scores, dim=-1).to(v.dtype) @ v       # fp32 scores (the bias is fp32), P in V's type

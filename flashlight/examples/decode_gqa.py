@@ -24,7 +24,7 @@ def attention_alibi(q, k, v):
     dist = torch.arange(N, device=q.device)[None, :] - (N - M + torch.arange(M, device=q.device)[:, None])
     s = q @ _expand(k, H).transpose(-2, -1) * D ** -0.5 + slopes[:, None, None] * dist
     s = s.masked_fill(dist > 0, float("-inf"))
-    return torch.softmax(s, dim=-1) @ _expand(v, H)
+    return torch.softmax(s, dim=-1).to(v.dtype) @ _expand(v, H)    # fp32 scores (the bias is fp32)
 
 
 def make_inputs(B=8, H=32, M=1, N=None, D=128, dtype=torch.float32, device="cpu", group=4, queries=1):
