@@ -33,6 +33,10 @@ from .configs import parse_config  # noqa: E402
 from .smoke import configure_dynamo  # noqa: E402
 
 
+# the row-gradient kernel's configs (elementwise: BLOCK_N and stages unused)
+ROWS = [Config(64, 16, 8, 1), Config(64, 16, 4, 1), Config(32, 16, 8, 1), Config(32, 16, 4, 1), Config(16, 16, 4, 1)]
+
+
 def capture_step(mod, inputs: list[torch.Tensor]):
     """(region, its inputs, row statistics, output, incoming gradient) of one compiled step."""
     seen = {}
@@ -66,7 +70,7 @@ def main() -> None:
     p.add_argument("--h", type=int, default=16)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=64)
-    p.add_argument("--kernels", default="dkdv,dq")
+    p.add_argument("--kernels", default="dkdv,dq", help="comma list of rows, dkdv, dq")
     p.add_argument("--configs", help="only these configs for every kernel, e.g. 32x64w4s3,64x64w4s3")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -90,26 +94,31 @@ def main() -> None:
         refs = float64_grads(mod, inputs, grad)
         k = c.backward_kernels()
         block_d = max(head_block(c.region.DK), head_block(c.region.DV))
-        for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
-            if kernel not in args.kernels.split(","):
-                continue
+        row_default = rows_config(head_block(c.region.DV)) if cuda else INTERPRETER
+        launches = {"rows": lambda drows, bufs, cfg: k.launch_rows(tensors, rowstats, out, grad, bufs, cfg),
+                    "dkdv": lambda drows, bufs, cfg: k.launch_dkdv(tensors, rowstats, drows, bufs, {}, cfg),
+                    "dq": lambda drows, bufs, cfg: k.launch_dq(tensors, rowstats, drows, bufs, {}, cfg)}
+        for kernel in args.kernels.split(","):
+            launch = launches[kernel]
             space = ([parse_config(s) for s in args.configs.split(",")] if args.configs
-                     else backward_candidates(block_d, kernel)) if cuda else [INTERPRETER, Config(32, 32, 1, 1)]
+                     else ROWS if kernel == "rows" else backward_candidates(block_d, kernel)) if cuda \
+                else [INTERPRETER, Config(32, 32, 1, 1)]
+            default = row_default if kernel == "rows" else c.config(tensors, kernel)
             for cfg in space:
                 row = dict(variant=name, d=args.d, n=args.n, kernel=kernel,
                            config=f"{cfg.BLOCK_M}x{cfg.BLOCK_N}w{cfg.num_warps}s{cfg.num_stages}",
-                           default=cfg == c.config(tensors, kernel), err=float("nan"), ms=float("nan"), note="")
+                           default=cfg == default, err=float("nan"), ms=float("nan"), note="")
                 try:
                     bufs = k.buffers(tensors)
-                    drows = k.launch_rows(tensors, rowstats, out, grad, bufs,
-                                          rows_config(head_block(c.region.DV)) if cuda else INTERPRETER)
-                    launch(tensors, rowstats, drows, bufs, {}, cfg)
+                    # the row kernel under test writes its own (fresh) row gradients
+                    drows = None if kernel == "rows" else k.launch_rows(tensors, rowstats, out, grad, bufs, row_default)
+                    launch(drows, bufs, cfg)
                     written = k.plan.written(kernel)
                     errs = [rel_error(bufs[i], refs[tensors[i].data_ptr(), tensors[i].shape]) for i in written
                             if (tensors[i].data_ptr(), tensors[i].shape) in refs]
                     row["err"] = max(errs) if errs else float("nan")
                     if do_bench is not None:
-                        row["ms"] = do_bench(lambda: launch(tensors, rowstats, drows, bufs, {}, cfg),
+                        row["ms"] = do_bench(lambda: launch(drows, bufs, cfg),
                                              warmup=10, rep=50, return_mode="median")
                 except Exception as e:  # noqa: BLE001 — a config that does not fit is reported, not fatal
                     row["note"] = f"{type(e).__name__}: {str(e)[:100]}"

@@ -156,9 +156,10 @@ def test_two_kernel_backward_stores_what_one_program_owns():
 
 def test_product_row_gradients_are_stored_as_the_value_operand():
     """dL/d(P @ V) = dO / l is a tl.dot operand of both tile kernels: on the GPU it is written in
-    V's bf16 (FA2 feeds dO as stored), one DV-wide column group per product in a tensor of its
-    own (rows DV elements apart: 16-byte aligned for DV a multiple of 8), and loaded without a cast; fp32 under
-    the interpreter (its bf16 dots run in fp32) and for fp32 inputs."""
+    V's bf16 (FA2 feeds dO as stored), one DV-wide column group per distinct row gradient in a
+    tensor of its own (rows DV elements apart: 16-byte aligned for DV a multiple of 8), and loaded
+    without a cast; fp32 under the interpreter (its bf16 dots run in fp32) and for fp32 inputs.
+    DiffAttn's two products differ by a row factor, so they share one column group."""
     from flashlight.codegen.backward import dot_grads, generate_backward
     from flashlight.runtime.op import REGISTRY
     diff = VARIANTS["diff_attention"]
@@ -169,9 +170,60 @@ def test_product_row_gradients_are_stored_as_the_value_operand():
         dg = dot_grads(r, interpret)
         products = [j for j, rd in enumerate(r.reductions) if rd.kind == "dot"]
         assert len(products) == 2 and dg.dtype == want
-        assert sorted(dg.cols[j] for j in products) == [0, r.DV] and dg.width == 2 * r.DV
+        assert [dg.cols[j] for j in products] == [0, 0] and dg.width == r.DV
         src = generate_backward(r, "k", interpret=interpret)[0]
         assert "ddot_ptr.dtype.element_ty" in src and not any(f"dr{j}.to(" in src for j in products)
+
+
+def _two_maps(combine, oracle=False):
+    """Two softmax maps over half-width heads (DiffAttn's scores), combined by ``combine``; the
+    second map's first row sees no key (``oracle``: its 0 spelled out, where eager gives NaN)."""
+    def softmax(s, keep):
+        if not oracle:
+            return torch.softmax(s.masked_fill(~keep, float("-inf")), -1)
+        live = keep.any(-1, keepdim=True)
+        return torch.softmax(s.masked_fill(~keep, float("-inf")).masked_fill(~live, 0.0), -1) * live
+
+    def attn(q, k, v, lam, *v2):
+        q1, q2 = q.chunk(2, -1)
+        k1, k2 = k.chunk(2, -1)
+        qi, ki = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        a1 = softmax(q1 @ k1.mT * 0.3, ki <= qi)
+        a2 = softmax(q2 @ k2.mT * 0.3, ki < qi)
+        return combine(a1, a2, v, lam, *v2)
+    return attn
+
+
+TWO_MAPS = {    # name -> (combination, do the products share one row gradient?)
+    "difference": (lambda a1, a2, v, lam: a1 @ v - lam * (a2 @ v), True),
+    "gated sum": (lambda a1, a2, v, lam: (a1 @ v + (a2 @ v) * lam.sigmoid()) * 0.5, True),
+    "two values": (lambda a1, a2, v, lam, v2: a1 @ v - lam * (a2 @ v2), False),
+    "product": (lambda a1, a2, v, lam: (a1 @ v) * (a2 @ v) * lam, False),
+}
+
+
+@pytest.mark.parametrize("name", list(TWO_MAPS))
+def test_products_whose_row_gradients_differ_by_a_row_factor_share_one_tile(name):
+    """dL/d(P_j @ V) = c_j G for one V and one [M, DV] tile G (a difference or a gated sum of
+    two maps): the row kernel writes G once and c_j as a row value, and each tile computes
+    G V^T once and adds (c_1 P_1 + c_2 P_2)^T G to dV — one dot each instead of two. Products
+    with different V operands, or gradients that are not row multiples of one tile (a
+    product of the two maps), keep one tile each. Gradients match float64 either way."""
+    from flashlight.codegen.backward import dot_grads, generate_backward
+    from flashlight.runtime.op import REGISTRY
+    combine, shared = TWO_MAPS[name]
+    attn = _two_maps(combine)
+    inputs = [torch.randn(1, 2, 21, 32), torch.randn(1, 2, 27, 32), torch.randn(1, 2, 27, 16), torch.tensor(0.6)]
+    inputs += [torch.randn(1, 2, 27, 16)] * (name == "two values")
+    r = REGISTRY[flashlight.explain(attn, *inputs).regions[0].key].region
+    dg = dot_grads(r, interpret=True)
+    products = [j for j, rd in enumerate(r.reductions) if rd.kind == "dot"]
+    assert len(products) == 2 and (len(dg.shared) == 2) == shared
+    assert dg.width == (1 if shared else 2) * r.DV
+    src = generate_backward(r, "k", interpret=True)[0]
+    second = f"tl.trans(dr{products[1]})"              # dR_2 @ V^T (dQ) or V @ dR_2^T (dK/dV)
+    assert (second not in src) == shared
+    check_grads(attn, inputs, ref_fn=_two_maps(combine, oracle=True))
 
 
 def test_gradients_keep_their_input_dtype_and_layout():

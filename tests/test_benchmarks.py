@@ -118,3 +118,18 @@ def test_backward_config_sweep_checks_each_config_against_float64(tmp_path, monk
     assert [r["kernel"] for r in rows] == ["dkdv", "dkdv", "dq", "dq"]
     assert all(float(r["err"]) < 1e-5 and not r["note"] for r in rows)
     assert [r["default"] for r in rows] == ["True", "False", "True", "False"]
+
+
+def test_backward_config_sweep_times_the_row_kernel_too(tmp_path, monkeypatch):
+    """``--kernels rows``: the row-gradient kernel writes the gradients of the epilogue's inputs
+    (DiffAttn's λ and RMSNorm weight), checked against float64 like the tile kernels'."""
+    import sys
+
+    from benchmarks import backward_configs
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["backward_configs", "--device", "cpu", "--variants", "diff_attention",
+                                      "--b", "1", "--h", "2", "--n", "24", "--d", "16", "--kernels", "rows,dq"])
+    backward_configs.main()
+    rows = list(csv.DictReader(open(tmp_path / "backward_configs_d16.csv")))
+    assert [r["kernel"] for r in rows] == ["rows", "rows", "dq", "dq"]
+    assert all(float(r["err"]) < 1e-5 and not r["note"] for r in rows)

@@ -29,8 +29,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..ir import Expr, Region, call, dot, free_vars, red, refs, walk
-from ..ir.derivative import not_differentiable, tile, vjp
+from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, walk
+from ..ir.derivative import ZERO, not_differentiable, tile, vjp
+from ..ir.expr import BINDS, children
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
@@ -108,19 +109,92 @@ class DotGrads(NamedTuple):
     """Where the row kernel writes dL/dr_j of each P @ V product r_j: DV columns from ``cols[j]``
     of a [*batch, M, width] tensor of type ``dtype`` — the V operands' tensor-core type (FA2 reads
     dO as stored: a bf16 tl.dot operand loaded as is, from rows a multiple of DV apart), fp32 when
-    the products' V operands differ in type."""
+    the products' V operands differ in type.
+
+    Products over one V operand whose row gradients are one [M, DV] tile G times a row factor
+    each (DiffAttn: dL/dr_1 = G / l_1 and dL/dr_2 = -λ G / l_2) share G's columns: ``shared[j]``
+    is (c_j, G), and c_j goes to the row-gradient column of r_j. A tile then computes G V^T once
+    for the group (d body_j = c_j G V^T) and adds (sum_j c_j body_j)^T G to dV in one product."""
     cols: dict[int, int]
     width: int
     dtype: torch.dtype
+    shared: dict[int, tuple[Expr, Expr]]
+
+    def group(self, j: int) -> list[int]:
+        """The products whose gradient shares r_j's columns (``[j]`` when it has its own)."""
+        return sorted(k for k in self.cols if self.cols[k] == self.cols[j])
+
+
+def row_factor(e: Expr, along_dv: Callable[[Expr], bool]) -> tuple[Expr, Expr]:
+    """(c, x) with e = c * x, c constant along dv (``along_dv`` false), found through products,
+    negation, division by and masks on row values: dL/dr_j of DiffAttn's second map is
+    ``div_safe(-(G * λ), l_2)``, so c = div_safe(-λ, l_2) and x = G. The masks' zero branch
+    moves into c, so c * x differs from e only where x is not finite (the row kernel zeroes G
+    wherever every factor of its group is 0)."""
+    if not along_dv(e):
+        return e, const(1.0)
+    if e.op == "neg":
+        c, x = row_factor(e.args[0], along_dv)
+        return call("neg", c), x
+    if e.op == "mul":
+        for a, b in (e.args, e.args[::-1]):
+            if not along_dv(a):
+                c, x = row_factor(b, along_dv)
+                return call("mul", a, c), x
+    if e.op in ("div", "div_safe") and not along_dv(e.args[1]):
+        c, x = row_factor(e.args[0], along_dv)
+        return call(e.op, c, e.args[1]), x
+    if e.op == "where" and not along_dv(e.args[0]):
+        cond, a, b = e.args
+        for live, zero, put in ((a, b, lambda c: call("where", cond, c, ZERO)),
+                                (b, a, lambda c: call("where", cond, ZERO, c))):
+            if zero.op == "const" and zero.args[0] == 0:
+                c, x = row_factor(live, along_dv)
+                return put(c), x
+    return const(1.0), e
+
+
+def output_varies_along_dv(region: Region) -> Callable[[Expr], bool]:
+    """Does an expression of the output's vjp vary along dv? dO and the products' rows do, and
+    loads indexed by dv; a ``sum_dv`` (a norm) does not."""
+    memo: dict[Expr, bool] = {}
+
+    def varies(e: Expr) -> bool:
+        for x in walk(e):
+            if x in memo:
+                continue
+            if x.op == "var":
+                memo[x] = x.args[0] == "dv"
+            elif x.op == "tile":
+                memo[x] = True
+            elif x.op == "red":
+                memo[x] = region.reductions[x.args[0]].kind == "dot"
+            elif x.op in BINDS:
+                memo[x] = False
+            else:
+                memo[x] = any(memo[c] for c in children(x))
+        return memo[e]
+    return varies
 
 
 def dot_grads(region: Region, interpret: bool) -> DotGrads:
-    cols, types = {}, set()
+    adjoints = vjp({region.out: tile("do")})
+    stat_cols, _ = rowstat_columns(region)
+    varies = output_varies_along_dv(region)
+    split, groups = {}, {}
+    for j, rd in enumerate(region.reductions):
+        if rd.kind == "dot" and red(j) in adjoints and stat_cols[j] is not None:
+            split[j] = row_factor(adjoints[red(j)], varies)
+            groups.setdefault((rd.v, split[j][1]), []).append(j)
+    shared = {j: split[j] for js in groups.values() if len(js) > 1 for j in js}
+    cols, first, types = {}, {}, set()
     for j, rd in enumerate(region.reductions):
         if rd.kind == "dot":
-            cols[j] = len(cols) * region.DV
+            key = (rd.v, shared[j][1]) if j in shared else j
+            cols[j] = first.setdefault(key, len(first) * region.DV)
             types.add(operand_dtype(rd.v, region, interpret))
-    return DotGrads(cols, max(len(cols) * region.DV, 1), types.pop() if len(types) == 1 else torch.float32)
+    return DotGrads(cols, max(len(first) * region.DV, 1), types.pop() if len(types) == 1 else torch.float32,
+                    shared)
 
 
 def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads) -> str:
@@ -159,7 +233,18 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
     for j, reduction in enumerate(region.reductions):
         if red(j) not in adjoints:
             continue        # a max (a constant shift), or a reduction the output does not read
-        g = f"tl.where(mask_o, tl.broadcast_to({em.emit(adjoints[red(j)], CTX_O, block)}, [BLOCK_M, BLOCK_DV]), 0.0)"
+        if j in dg.shared:  # c_j into r_j's row-gradient column; the group's G once, 0 where every c is
+            c = em.emit(dg.shared[j][0], CTX_O, block)
+            block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.zeros([BLOCK_M, 1], tl.float32) + {c}, "
+                               "mask=mask_m[:, None])")
+            group = dg.group(j)
+            if j != group[0]:
+                continue
+            live = " | ".join(f"({em.emit(dg.shared[k][0], CTX_O, block)} != 0)" for k in group)
+            g = f"tl.where(mask_o & ({live}), tl.broadcast_to({em.emit(dg.shared[j][1], CTX_O, block)}, " \
+                "[BLOCK_M, BLOCK_DV]), 0.0)"
+        else:
+            g = f"tl.where(mask_o, tl.broadcast_to({em.emit(adjoints[red(j)], CTX_O, block)}, [BLOCK_M, BLOCK_DV]), 0.0)"
         if reduction.kind == "dot":
             block.lines.append(f"tl.store(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + {dg.cols[j]} + "
                                f"offs_dv[None, :], {g}.to(ddot_ptr.dtype.element_ty), mask=mask_o)")
@@ -285,7 +370,11 @@ class TileWriter(KernelWriter):
                 continue
             elif rd.kind == "sum":
                 block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
-            else:               # [BLOCK_M, DV] as written, per DV piece
+            else:               # [BLOCK_M, DV] as written, per DV piece (a group's shared G once)
+                if j in self.dg.shared:
+                    block.lines.append(f"dc{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
+                if j != self.dg.group(j)[0]:
+                    continue
                 for ctx in self.piece_ctxs("dv", CTX_O):
                     block.lines.append(f"d{dv_state(j, ctx)} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
                                        f" + {self.dg.cols[j]} + {ctx.vars['dv']}, mask={ctx.mask('m', 'dv')}, other=0.0)")
@@ -322,13 +411,19 @@ class TileWriter(KernelWriter):
                            for c, (q, k) in enumerate(zip(self.piece_ctxs(kind, qctx), self.piece_ctxs(kind, kctx)))]
             em.dot_names[i] = f"qk{i}"
         loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
+        drs: dict[int, list[str]] = {}      # a group's first product -> its dR tile per DV piece
         for j in self.plan.members:
             rd = r.reductions[j]
             body = full_body(rd.body) if full else rd.body
             if rd.kind == "sum":       # d body = dR_j, broadcast along n
                 loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
-            else:                      # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j (per DV piece)
-                drs = []
+                continue
+            # d body = dR_j @ V_j^T;  dV_j += body^T @ dR_j (per DV piece). A group sharing one G:
+            # d body_j = c_j (G @ V^T), computed once, and dV += (sum_j c_j body_j)^T @ G
+            group = self.dg.group(j)
+            lead = group[0]
+            if j == lead:
+                drs[lead] = []
                 for c, (vctx, octx) in enumerate(zip(self.piece_ctxs("dv", CTX_V), self.piece_ctxs("dv", CTX_O))):
                     v, vdt = self.dot_operand(rd.v, vctx, loop)
                     dr = f"d{dv_state(j, octx)}"
@@ -337,14 +432,23 @@ class TileWriter(KernelWriter):
                     dp = self.tl_dot(v, f"tl.trans({dr})", vdt, acc) if self.transposed else \
                         self.tl_dot(dr, f"tl.trans({v})", vdt, acc)
                     loop.lines.append(f"dp{j} = {dp}")
-                    drs.append(dr)
-                loop.lines.append(f"db{j} = tl.where(mask_mn, dp{j}, 0.0)")
-                if "dv" in self.kinds:
-                    p = full_tile(em.emit(body, ctx, loop), body, ctx, r)
-                    pt = f"p{j}" if self.transposed else f"tl.trans(p{j})"
-                    loop.lines.append(f"p{j} = {self.cast(f'tl.where(mask_mn, {p}, 0.0)', vdt)}")
-                    for acc, dr in zip(self.accs["dv"][rd.v], drs):
-                        loop.lines.append(f"{acc} = {self.tl_dot(pt, dr, vdt, acc=acc)}")
+                    drs[lead].append(dr)
+            scale = f" * dc{j}" if j in self.dg.shared else ""
+            loop.lines.append(f"db{j} = tl.where(mask_mn, dp{lead}{scale}, 0.0)")
+            if "dv" not in self.kinds:
+                continue
+            vdt = operand_dtype(rd.v, r, self.interpret)
+            p = f"tl.where(mask_mn, {full_tile(em.emit(body, ctx, loop), body, ctx, r)}, 0.0)"
+            if j in self.dg.shared:
+                loop.lines.append(f"p{j} = {p}")
+                if j != group[-1]:
+                    continue
+                loop.lines.append(f"p{lead} = {self.cast('(' + ' + '.join(f'dc{k} * p{k}' for k in group) + ')', vdt)}")
+            else:
+                loop.lines.append(f"p{j} = {self.cast(p, vdt)}")
+            pt = f"p{lead}" if self.transposed else f"tl.trans(p{lead})"
+            for acc, dr in zip(self.accs["dv"][rd.v], drs[lead]):
+                loop.lines.append(f"{acc} = {self.tl_dot(pt, dr, vdt, acc=acc)}")
         return vjp(self.seeds(full)), operands
 
     def seeds(self, full: bool) -> dict[Expr, Expr]:
