@@ -5,7 +5,9 @@ machine without a GPU so the generated kernels themselves run).
 Each program draws: shapes (primes included), layout (BHSD or BSHD), where the scale goes, GQA
 and its spelling, a mask (none, causal, window, prefix, document ids, key padding, a boolean
 tensor) and its fill value (-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
-the softmax spelling, and an epilogue (a head-merging reshape, an RMSNorm, a sigmoid gate). The program is plain PyTorch, built from closures.
+the softmax spelling, a second softmax map over the same V combined with the first (DiffAttn's
+difference with a learned λ, or a mean), and an epilogue (a head-merging reshape, an RMSNorm, a
+sigmoid gate). The program is plain PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -118,6 +120,10 @@ def make_program(rng: random.Random) -> Program:
             e = torch.exp(s - s.amax(-1, keepdim=True))
             p = e / e.sum(-1, keepdim=True)
         o = p @ v
+        if second != "none":                # a second, causal map at another temperature, same V
+            s2 = (q @ k.transpose(-2, -1)) * (0.5 * D ** -0.5)
+            p2 = torch.softmax(s2.masked_fill(ki > qi, float("-inf")), dim=-1)
+            o = o - ex["lam"] * (p2 @ v) if second == "difference" else 0.5 * (o + p2 @ v)
         if epilogue == "merge_heads":       # [B, M, H * Dv], a permuted store
             return o.transpose(1, 2).reshape(B, M, H * Dv)
         if epilogue == "rmsnorm":           # a dv-sum in the epilogue
@@ -127,10 +133,15 @@ def make_program(rng: random.Random) -> Program:
         return o
 
     rng_fill_style = rng.random() < 0.5
+    grads = rng.random() < 0.15
+    second = rng.choice(["none"] * 6 + ["difference", "mean"])     # drawn last: earlier seeds keep their programs
+    if second == "difference":
+        extra["lam"] = torch.tensor(rng.uniform(0.2, 0.8))
+        names.append("lam")
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
-            f"window={window} prefix={prefix} epilogue={epilogue}")
-    return Program(desc, program, (q, k, v, *extra.values()), grads=rng.random() < 0.15)
+            f"window={window} prefix={prefix} epilogue={epilogue} second={second}")
+    return Program(desc, program, (q, k, v, *extra.values()), grads=grads)
 
 
 def reference(p: Program) -> torch.Tensor:
