@@ -244,7 +244,8 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
             g = f"tl.where(mask_o & ({live}), tl.broadcast_to({em.emit(dg.shared[j][1], CTX_O, block)}, " \
                 "[BLOCK_M, BLOCK_DV]), 0.0)"
         else:
-            g = f"tl.where(mask_o, tl.broadcast_to({em.emit(adjoints[red(j)], CTX_O, block)}, [BLOCK_M, BLOCK_DV]), 0.0)"
+            g = f"tl.where(mask_o, tl.broadcast_to({em.emit(adjoints[red(j)], CTX_O, block)}, " \
+                "[BLOCK_M, BLOCK_DV]), 0.0)"
         if reduction.kind == "dot":
             block.lines.append(f"tl.store(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + {dg.cols[j]} + "
                                f"offs_dv[None, :], {g}.to(ddot_ptr.dtype.element_ty), mask=mask_o)")

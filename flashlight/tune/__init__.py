@@ -115,16 +115,16 @@ def backward_candidates(block_d: int, kernel: str) -> list[Config]:
 
 
 def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: int = 1) -> Config:
-    """A backward kernel's default, from autotuning on the H200 (docs/notes.md, sessions 4, 7).
-    dK/dV at D <= 64: 64 x 64 w4 s3 (session 7's sweep, B=4 H=16 N=4096: causal 0.671 ms
-    against 0.771 with 32 x 64, document mask 0.249 against 0.251; DiffAttn 4.9 ms against 14.3
-    with 128 x 128, whose tiles spill). At D = 128, and for two score tiles (DiffAttn) at D = 64:
-    32 x 64 w4 s3, the fastest of 10 configs for causal and ALiBi in the same sweep (every D = 128
-    config keeps [64, 128] fp32 dK and dV tiles per warpgroup; offline sm_90 compiles spill 84
-    bytes at 32 x 64, 616 at 64 x 64); 8 warps, or 32 x 32 tiles, were 2-3x slower in session 8
-    (DiffAttn at D = 64: 1.25 ms against 1.33 at 64 x 64). dQ at
-    D <= 64 takes the forward's 64 x 64 for several score tiles or a mask that skips blocks
-    (short live ranges waste wide query blocks). Otherwise the first candidate."""
+    """A backward kernel's default, from sweeps on the H200 (docs/notes.md, sessions 4, 7, 8;
+    B=4 H=16 N=4096, ``benchmarks.backward_configs``).
+    dK/dV at D <= 64 with one score tile: 64 x 64 w4 s3 (causal 0.671 ms against 0.771 at
+    32 x 64; document mask 0.249 against 0.251). Otherwise, up to D = 128: 32 x 64 w4 s3, the
+    fastest of 10 configs for causal and ALiBi at D = 128 (every config keeps [64, 128] fp32 dK
+    and dV tiles per warpgroup; offline sm_90 compiles spill 84 bytes at 32 x 64, 616 at
+    64 x 64), and for DiffAttn's two score tiles at D = 64 too (1.25 ms against 1.33 at 64 x 64,
+    B=2). 8 warps over 64 keys, or 32 x 32 tiles, run 2-3x slower.
+    dQ at D <= 64 takes the forward's 64 x 64 for several score tiles or a mask that skips
+    blocks (short live ranges waste wide query blocks). Otherwise the first candidate."""
     if kernel == "dkdv" and block_d <= 128:
         return Config(64, 64, 4, 3) if block_d <= 64 and n_dots == 1 else Config(32, 64, 4, 3)
     if kernel == "dq" and (sparse or n_dots > 1) and block_d <= 64:
