@@ -186,7 +186,8 @@ def dot_grads(region: Region, interpret: bool) -> DotGrads:
         if rd.kind == "dot" and red(j) in adjoints and stat_cols[j] is not None:
             split[j] = row_factor(adjoints[red(j)], varies)
             groups.setdefault((rd.v, split[j][1]), []).append(j)
-    shared = {j: split[j] for js in groups.values() if len(js) > 1 for j in js}
+    # a constant tile (gradients that do not vary along dv) is not worth a column, nor a valid tile
+    shared = {j: split[j] for (_, x), js in groups.items() if len(js) > 1 and x.op != "const" for j in js}
     cols, first, types = {}, {}, set()
     for j, rd in enumerate(region.reductions):
         if rd.kind == "dot":
