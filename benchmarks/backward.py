@@ -98,7 +98,7 @@ def run_variant(name: str, args, bench) -> dict:
         row["ms_step_inductor"] = notes.attempt("step inductor",
                                                 lambda: bench(lambda: step(lambda: ind(*inputs), leaves, dout)))
         row["xinductor_step"] = row["ms_step_inductor"] / row["ms_step_flashlight"]
-    row["configs"] = " ".join(f"{'/'.join(map(str, k)) if isinstance(k, tuple) else k}={c.BLOCK_M}x{c.BLOCK_N}w{c.num_warps}s{c.num_stages}"
+    row["configs"] = " ".join(f"{'/'.join(map(str, k)) if isinstance(k, tuple) else k}={c}"
                               for key, reg in REGISTRY.items() if reg.bwd_launches > before.get(key, 0)
                               for k, c in reg.tuned.items())
     row["notes"] = str(notes)

@@ -106,7 +106,7 @@ def main() -> None:
             default = row_default if kernel == "rows" else c.config(tensors, kernel)
             for cfg in space:
                 row = dict(variant=name, d=args.d, n=args.n, kernel=kernel,
-                           config=f"{cfg.BLOCK_M}x{cfg.BLOCK_N}w{cfg.num_warps}s{cfg.num_stages}",
+                           config=str(cfg),
                            default=cfg == default, err=float("nan"), ms=float("nan"), note="")
                 try:
                     bufs = k.buffers(tensors)

@@ -26,11 +26,12 @@ EXTRA = [Config(bm, bn, w, s) for bm, bn in [(64, 32), (128, 32), (64, 64), (128
 
 
 def parse_config(text: str) -> Config:
-    """``128x64w4s3`` -> Config(128, 64, 4, 3)."""
+    """``128x64w4s3`` -> Config(128, 64, 4, 3); ``128x64w8s2r128`` caps registers at 128."""
     bm, rest = text.split("x")
     bn, rest = rest.split("w")
     w, st = rest.split("s")
-    return Config(int(bm), int(bn), int(w), int(st))
+    st, _, reg = st.partition("r")
+    return Config(int(bm), int(bn), int(w), int(st), int(reg) if reg else None)
 
 
 def main() -> None:

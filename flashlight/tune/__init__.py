@@ -23,14 +23,26 @@ import triton
 
 @dataclass(frozen=True)
 class Config:
+    """A launch config. ``maxnreg`` caps registers per thread (None: ptxas decides): a kernel
+    of 8 warps under 128 registers leaves room for a second program on the multiprocessor,
+    whose softmax then overlaps this one's matrix products (Triton 3.6 has no warp
+    specialisation on sm_90, and the two warpgroups of one program run in lockstep)."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None
 
     def as_kwargs(self) -> dict:
-        return dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+        kw = dict(BLOCK_M=self.BLOCK_M, BLOCK_N=self.BLOCK_N, num_warps=self.num_warps,
+                  num_stages=self.num_stages)
+        if self.maxnreg:
+            kw["maxnreg"] = self.maxnreg
+        return kw
+
+    def __str__(self) -> str:
+        return (f"{self.BLOCK_M}x{self.BLOCK_N}w{self.num_warps}s{self.num_stages}"
+                + (f"r{self.maxnreg}" if self.maxnreg else ""))
 
 
 def cdiv(a: int, b: int) -> int:
