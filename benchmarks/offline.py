@@ -1,0 +1,199 @@
+"""Compile a variant's generated kernels for the H200 (sm_90) on a machine without a GPU, and
+report what ptxas made of them: registers, spills, shared memory and the instruction mix.
+
+    python -m benchmarks.offline --variants causal,vanilla --d 128 [--n 4096] [--kernels fwd,rows,dkdv,dq]
+                                 [--config fwd=128x128w8s3,dkdv=32x64w4s3] [--dump DIR]
+
+The region is captured on meta tensors (nothing is computed), the kernels are generated as for
+CUDA (bf16 operands, not the interpreter's fp32 ones), and each launch the runtime would make
+for a B x H x N x N step is recorded with CPU tensors of the real shapes, so the compiled kernel
+has the specialisation (16-divisible strides and sizes, pointer alignment) a GPU launch gets.
+Triton then compiles it for ``GPUTarget("cuda", 90, 32)`` with its bundled ptxas. Per kernel:
+compile seconds, registers, spill stores / loads (bytes), shared memory, and SASS counts of the
+instructions that bound attention kernels (``HGMMA``, ``MUFU.EX2``, ``FMUL``/``FFMA``/``FADD``,
+``F2F``/``F2FP`` conversions, ``BAR``, ``LDG``/``STG``/``LDS``/``STS``). ``--dump`` keeps the
+Triton source, PTX and SASS of each kernel. Offline numbers say what changed in the compiled
+code; only a GPU run says what that is worth.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from flashlight.examples import VARIANTS
+from flashlight.runtime import op as rt
+from flashlight.tune import backward_heuristic, head_block, heuristic, rows_config
+
+from .configs import parse_config
+
+SASS_OPS = ["HGMMA", "MUFU.EX2", "FMUL", "FFMA", "FADD", "FMNMX", "F2FP", "F2F", "I2F", "BAR", "LDG", "STG",
+            "LDS", "STS", "LDSM", "UTMALDG", "SYNCS", "WARPGROUP"]
+
+
+class Recorder:
+    """Stands in for a generated kernel: ``k[grid](*args, **meta)`` records the launch."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launches.append((args, meta))
+
+
+def capture(mod, b: int, h: int, n: int, d: int):
+    """The region's CompiledRegion and CPU tensors with the shapes, strides and dtypes of the
+    op's inputs (bf16, as on the GPU), in the region's order."""
+    meta = [x.requires_grad_() if x.is_floating_point() else x
+            for x in mod.make_inputs(b, h, n, n, d, torch.bfloat16, "meta")]
+    rt.REGISTRY.clear()
+    torch._dynamo.reset()
+    seen, run_all = {}, rt.CompiledRegion.run_all
+
+    def recording(self, inputs, *args, **kwargs):
+        seen["inputs"] = list(inputs)
+        return run_all(self, inputs, *args, **kwargs)
+    rt.CompiledRegion.run_all = recording       # this tool's own probe: the op's inputs
+    try:
+        torch.compile(mod.attention, backend="flashlight", dynamic=False)(*meta)
+    finally:
+        rt.CompiledRegion.run_all = run_all
+    (c,) = rt.REGISTRY.values()
+    torch.manual_seed(0)
+    inputs = []
+    for x in seen["inputs"]:
+        y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+        inputs.append(y.normal_() if y.is_floating_point() else y.random_(0, 12))
+    return c, inputs
+
+
+def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
+    """kernel name -> (JIT function, args, meta) of each launch of one forward and backward."""
+    r = c.region
+    block_d = max(head_block(r.DK), head_block(r.DV))
+    sparse = c.sparse
+    n_dots = len(r.dots)
+    cfg = {"fwd": heuristic(block_d, n_dots, sparse),
+           "rows": rows_config(head_block(r.DV)),
+           "dkdv": backward_heuristic(block_d, "dkdv", sparse, n_dots),
+           "dq": backward_heuristic(block_d, "dq", sparse, n_dots)}
+    cfg.update(configs)
+    fwd = Recorder(c.kernel.fn)
+    c.kernel = fwd
+    c.split = False     # the full-size forward, not split-KV
+    out = c.new_outputs(inputs[0])[0]
+    rowstats = torch.empty(c.rowstats_shape, dtype=torch.float32)
+    c.launch(inputs, cfg["fwd"])
+    found = {"fwd": (fwd.fn, *fwd.launches[0], cfg["fwd"])}
+    k = c.backward_kernels()
+    if k is None:
+        return found
+    k.rows, k.dkdv, k.dq = (Recorder(x.fn) for x in (k.rows, k.dkdv, k.dq))
+    bufs = k.buffers(inputs)
+    drows = k.launch_rows(inputs, rowstats, out, torch.empty_like(out), bufs, cfg["rows"])
+    k.launch_dkdv(inputs, rowstats, drows, bufs, {}, cfg["dkdv"])
+    k.launch_dq(inputs, rowstats, drows, bufs, {}, cfg["dq"])
+    for name, rec in (("rows", k.rows), ("dkdv", k.dkdv), ("dq", k.dq)):
+        found[name] = (rec.fn, *rec.launches[0], cfg[name])
+    return found
+
+
+def compile_sm90(fn, args: tuple, meta: dict):
+    """Triton's own specialisation of this launch, compiled for sm_90 (no driver needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **meta)
+    options, signature, constexprs, attrs = fn._pack_args(backend, meta, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers, spill bytes and shared memory from ``ptxas -v`` on the PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp, "k.o"))],
+                             capture_output=True, text=True)
+    log = res.stderr
+    def num(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+    return dict(regs=num(r"Used (\d+) registers"), spill_st=num(r"(\d+) bytes spill stores"),
+                spill_ld=num(r"(\d+) bytes spill loads"),
+                serialized="wgmma.mma_async instructions are serialized" in log)
+
+
+def sass_counts(cubin: bytes) -> Counter:
+    from triton.tools.disasm import get_sass
+    counts: Counter = Counter()
+    for line in get_sass(cubin).splitlines():
+        m = re.match(r"\s*\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)     # "ctrl  [@P0] OP ..."
+        if m:
+            op = m.group(1)
+            for name in SASS_OPS:
+                if op == name or op.startswith(name + "."):
+                    counts[name] += 1
+                    break
+    return counts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="causal")
+    p.add_argument("--b", type=int, default=4)
+    p.add_argument("--h", type=int, default=16)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--kernels", default="fwd,rows,dkdv,dq")
+    p.add_argument("--config", default="", help="kernel=config pairs, e.g. fwd=128x128w8s3,dkdv=32x64w4s3")
+    p.add_argument("--tma", type=int, default=1, help="the TMA constexpr of kernels with descriptor loads (0: off)")
+    p.add_argument("--dump", help="write each kernel's Triton source, PTX and SASS here")
+    args = p.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)      # the kernels as generated for CUDA
+    overrides = {k: parse_config(v) for k, v in (kv.split("=") for kv in args.config.split(",") if kv)}
+    print(f"{'variant':14s} {'kernel':5s} {'config':15s} {'s':>5s} {'regs':>4s} {'spill':>9s} {'smem':>6s} {'wgmma':6s} sass")
+    for name in args.variants.split(","):
+        c, inputs = capture(VARIANTS[name], args.b, args.h, args.n, args.d)
+        for kernel, (fn, largs, meta, cfg) in record(c, inputs, overrides).items():
+            if kernel not in args.kernels.split(","):
+                continue
+            if "TMA" in fn.arg_names:     # the CPU tensors recorded it off: as a Hopper launch would
+                meta = {**meta, "TMA": bool(args.tma)}
+            t0 = time.perf_counter()
+            ck = compile_sm90(fn, largs, meta)
+            secs = time.perf_counter() - t0
+            use = ptxas_usage(ck.asm["ptx"])
+            sass = sass_counts(ck.asm["cubin"])
+            ops = " ".join(f"{k}={sass[k]}" for k in SASS_OPS if sass[k])
+            tag = str(cfg) + ("" if "TMA" not in fn.arg_names else " tma" if args.tma else " ptr")
+            print(f"{name:14s} {kernel:5s} {tag:15s} {secs:5.1f} {use['regs']:4d} {use['spill_st']:4d}/{use['spill_ld']:<4d} "
+                  f"{ck.metadata.shared:6d} {'SERIAL' if use['serialized'] else 'async':6s} {ops}", flush=True)
+            if args.dump:
+                from triton.tools.disasm import get_sass
+                d = Path(args.dump)
+                d.mkdir(parents=True, exist_ok=True)
+                stem = d / f"{name}_d{args.d}_{kernel}_{tag}"
+                stem.with_suffix(".ptx").write_text(ck.asm["ptx"])
+                stem.with_suffix(".sass").write_text(get_sass(ck.asm["cubin"]))
+                stem.with_suffix(".ttgir").write_text(ck.asm["ttgir"])
+                src = c.source if kernel == "fwd" else c.bwd_source
+                stem.with_suffix(".py").write_text(src)
+
+
+if __name__ == "__main__":
+    main()
