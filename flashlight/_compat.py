@@ -1,6 +1,7 @@
-"""Every private torch import Flashlight uses, in one place (torch 2.11 … 2.13).
+"""Every private torch import Flashlight uses, in one place (torch 2.11 … 2.13), and the Triton
+internals the launch path relies on (Triton 3.6: ``FastLaunch``, ``with_scratch``).
 
-If a torch release moves one of these, this is the only file to fix.
+If a torch or Triton release moves one of these, this is the only file to fix.
 """
 from __future__ import annotations
 
@@ -139,6 +140,31 @@ def _tensor():
 def _hooked(hook) -> bool:
     """Is a launch hook installed? (Triton 3.6 keeps an always-present, possibly empty HookChain.)"""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def with_scratch(device, launch):
+    """``launch()`` with a Triton allocator (``torch.empty`` on ``device``) for the global
+    scratch that kernels making tensor descriptors on the device ask for at launch; the
+    caller's allocator, if any, is restored afterwards, so other Triton kernels are untouched.
+    Triton 3.6 keeps it in a ContextVar (``triton.runtime._allocation._allocator``): private,
+    hence here."""
+    from triton.runtime import _allocation
+    token = _allocation._allocator.set(_scratch_allocator(device))
+    try:
+        return launch()
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def _scratch_allocator(device):
+    import torch
+    alloc = _SCRATCH.get(device)
+    if alloc is None:
+        alloc = _SCRATCH[device] = lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device)
+    return alloc
+
+
+_SCRATCH: dict = {}
 
 
 def fast_launch(fn, interpret: bool):

@@ -28,7 +28,7 @@ def run_both(region, *inputs):
                                              (generate_backward, BACKWARD_SNAPSHOT, "fl_bwd_snapshot")],
                          ids=["forward", "backward"])
 def test_snapshot_of_softmax_kernels(gen, path, name):
-    src, _ = gen(rewrite(softmax_region()), name)
+    src = gen(rewrite(softmax_region()), name)[0]
     if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not path.exists():
         path.write_text(src)
     assert src == path.read_text(), "generated source changed: review, then UPDATE_SNAPSHOTS=1"

@@ -26,6 +26,19 @@ def _inputs(name, **kw):
                                     ("diff_attention", 64), ("evoformer", 64), ("causal", 80), ("gated", 96)])
 def test_bf16_forward_and_gradients_match_float64(name, D):
     """Six variants at D = 64, and two head dims whose QK^T and P @ V run in power-of-two pieces."""
+    check_bf16(name, D)
+
+
+@pytest.mark.parametrize("name,D", [("causal", 64), ("evoformer", 64), ("gated", 96), ("gqa", 128)])
+def test_descriptor_loads_match_float64(name, D, monkeypatch):
+    """The same with ``FLASHLIGHT_TMA=1``: K, V (and the backward's Q) through tensor descriptors,
+    a 5-D Evoformer input, DV pieces, GQA's shared heads."""
+    monkeypatch.setenv("FLASHLIGHT_TMA", "1")
+    check_bf16(name, D)
+    assert any(c.tma for c in REGISTRY.values())
+
+
+def check_bf16(name, D):
     mod = VARIANTS[name]
     inputs = [x.to(torch.bfloat16) if x.is_floating_point() else x
               for x in _inputs(name, B=2, H=4, M=333, D=D)]

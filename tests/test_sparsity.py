@@ -55,9 +55,9 @@ def masked_region(keep, B=1, M=45, N=53, D=16):
 
 def dense_twin(c: CompiledRegion) -> CompiledRegion:
     from flashlight.runtime.cache import load_module
-    src, _ = generate(c.region, "fl_fwd_dense_" + c.name[-8:], sparse=False, interpret=True)
+    src, _, tma = generate(c.region, "fl_fwd_dense_" + c.name[-8:], sparse=False, interpret=True)
     mod, path = load_module("fl_fwd_dense_" + c.name[-8:], src)
-    return CompiledRegion(c.region, src, "dense", path, getattr(mod, "fl_fwd_dense_" + c.name[-8:]))
+    return CompiledRegion(c.region, src, "dense", path, getattr(mod, "fl_fwd_dense_" + c.name[-8:]), tma=tma)
 
 
 @pytest.mark.parametrize("seed", range(40))

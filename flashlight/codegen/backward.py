@@ -576,7 +576,8 @@ class DKDVWriter(TileWriter):
 
     def signature(self) -> list[str]:
         return self.common_args("dkdv") + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",
-                                           "BLOCK_N: tl.constexpr", "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
+                                           "BLOCK_N: tl.constexpr", "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr",
+                                           *self.tma_arg()]
 
     def write(self) -> str:
         self.outer.lines += [
@@ -611,7 +612,7 @@ class DQWriter(TileWriter):
     def signature(self) -> list[str]:
         return self.common_args("dq") + ["EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr", "SCAN_BLOCKS: tl.constexpr",
                                          "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-                                         "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
+                                         "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr", *self.tma_arg()]
 
     def key_block_grads(self, loop: Block, full: bool) -> None:
         key_block(loop, full)
@@ -632,10 +633,13 @@ class DQWriter(TileWriter):
 
 class KernelStats(NamedTuple):
     """The per-block statistics each tile kernel's sparsity scan reads (``sparsity.BlockStat``),
-    and the layout of the P @ V products' row gradients."""
+    the layout of the P @ V products' row gradients, and the inputs each tile kernel's tensor
+    descriptors read (``Emitter.tma``)."""
     dkdv: list[BlockStat]
     dq: list[BlockStat]
     dot_grads: DotGrads
+    tma_dkdv: dict[int, set[int]]
+    tma_dq: dict[int, set[int]]
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
@@ -651,4 +655,4 @@ def generate_backward(region: Region, name: str, allow_tf32: bool = False, inter
     kv = DKDVWriter(region, plan, name, allow_tf32, interpret, sparse)
     dq = DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
     source = f"{kv.write()}\n\n{dq.write()}" + row_gradient_kernel(region, plan, f"{name}_rows", kv.dg)
-    return prelude(source) + source, KernelStats(kv.stats, dq.stats, kv.dg)
+    return prelude(source) + source, KernelStats(kv.stats, dq.stats, kv.dg, kv.em.tma, dq.em.tma)

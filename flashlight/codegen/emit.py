@@ -126,10 +126,16 @@ class Ctx:
     # the score tile [BLOCK_M, BLOCK_N] only: the first key of the block (n = key_start +
     # arange(BLOCK_N) along axis 1, a multiple of BLOCK_N), for dropout's grouped draws
     key_start: str | None = None
+    # var -> (first index of the tile, its width): where a tensor descriptor reads the tile
+    blocks: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def mask(self, *dims: str) -> str:
         """The bounds mask of ``dims`` in this context ('' when none has one)."""
         return " & ".join(self.masks[v] for v in dims if v in self.masks)
+
+
+# the extent of each tile var: a tensor descriptor's bounds (reads past them are zeros)
+EXTENT = {"m": "M", "n": "N", "dk": "DK", "dv": "DV"}
 
 
 @dataclass
@@ -146,6 +152,9 @@ class Emitter:
         self.dot_names: dict[int, str] = {}  # dot i -> name of this pass's score tile
         self.loop_reds: set[int] = set()     # reductions being accumulated by the current loop
         self.counter = 0
+        # input -> its dims a tensor descriptor strides over (``descriptor_load``): the launch
+        # turns the kernel's TMA constexpr on only when those tensors' layouts allow it
+        self.tma: dict[int, set[int]] = {}
 
     def fresh(self, prefix: str) -> str:
         self.counter += 1
@@ -242,8 +251,9 @@ class Emitter:
             return f"fl_rand16_block({seed}, {row}, {ctx.key_start}, BLOCK_M, BLOCK_N)"
         return TRITON["rand16"].format(seed, row, col)
 
-    def load(self, x: Expr, ctx: Ctx, block: Block) -> str:
-        """The raw (un-cast) load of ``x``, emitted once per context."""
+    def load(self, x: Expr, ctx: Ctx, block: Block, bulk: bool = False) -> str:
+        """The raw (un-cast) load of ``x``, emitted once per context. ``bulk``: a tl.dot operand,
+        which inside a loop also gets a tensor-descriptor form (``descriptor_load``)."""
         key = ("raw", ctx.name, x)
         b = block
         while b is not None:
@@ -254,9 +264,52 @@ class Emitter:
         ptr, mask = self.address(x, ctx, block, "in")
         mask = f", mask={mask}, other=0" if mask else ""
         name = self.fresh("ld")
-        block.lines.append(f"{name} = tl.load({ptr}{mask})")
+        desc = self.descriptor_load(x, ctx, block) if bulk and block.parent is not None else None
+        if desc:
+            block.lines += ["if TMA:", f"    {name} = {desc}", "else:", f"    {name} = tl.load({ptr}{mask})"]
+        else:
+            block.lines.append(f"{name} = tl.load({ptr}{mask})")
         block.names[key] = name
         return name
+
+    def descriptor_load(self, x: Expr, ctx: Ctx, block: Block) -> str | None:
+        """A tile load through a tensor descriptor (Hopper's bulk tensor copy: straight into
+        shared memory, no pointer tile, out-of-bounds reads zero like the masked load), when the
+        tile's two axes index two dims of the input as bare vars, the second of them its last
+        dim, and every other index is the same for the whole program (batch indices): the
+        descriptor is made once per program over those two dims, at the batch indices' offset.
+        None where that does not hold. The launch sets TMA only when the input's last stride
+        is 1 and its other strides and address are 16-byte aligned (``runtime.descriptors``)."""
+        i, idx = x.args
+        rows = next((v for v, e in ctx.vars.items() if e.endswith("[:, None]")), None)
+        cols = next((v for v, e in ctx.vars.items() if e.endswith("[None, :]")), None)
+        dims = {ie.args[0]: d for d, ie in enumerate(idx) if ie.op == "var" and ie.args[0] in (rows, cols)}
+        last = len(idx) - 1
+        if len(dims) != 2 or last not in dims.values() or not all(v in ctx.blocks for v in dims):
+            return None
+        inner = next(v for v, d in dims.items() if d == last)
+        outer = cols if inner == rows else rows
+        if any(free_vars(ie) - {v for v in free_vars(ie) if v.startswith("b")}
+               for d, ie in enumerate(idx) if d not in dims.values()):
+            return None
+        root = block
+        while root.parent is not None:
+            root = root.parent
+        (o_start, o_width), (i_start, i_width) = ctx.blocks[outer], ctx.blocks[inner]
+        key = ("desc", i, dims[outer], o_width, i_width, tuple(ie for d, ie in enumerate(idx) if d not in dims.values()))
+        desc = root.names.get(key)
+        if desc is None:
+            terms = []
+            for d, ie in enumerate(idx):
+                if d in dims.values() or (ie.op == "const" and ie.args[0] == 0):
+                    continue
+                terms.append(f"{self.emit(ie, ctx, root)} * in{i}_s{d}")
+            desc = root.names[key] = self.fresh("desc")
+            root.lines += ["if TMA:",
+                           f"    {desc} = tl.make_tensor_descriptor({' + '.join([f'in{i}_ptr'] + terms)}, "
+                           f"[{EXTENT[outer]}, {EXTENT[inner]}], [in{i}_s{dims[outer]}, 1], [{o_width}, {i_width}])"]
+            self.tma.setdefault(i, set()).add(dims[outer])
+        return f"{desc}.load([{o_start}, {i_start}])" + (".T" if outer == cols else "")
 
     def address(self, x: Expr, ctx: Ctx, block: Block, base: str) -> tuple[str, str]:
         """Pointer tile and bounds mask ('' when none) of load ``x`` in the tensor ``{base}{i}``

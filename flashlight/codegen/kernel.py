@@ -17,12 +17,17 @@ TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.fl
 NEG_INF = 'float("-inf")'
 
 
+# the tile of each var: offsets = start + arange(width) (start_m: the dK/dV kernel's query loop)
+BLOCKS = {"m": ("start_m", "BLOCK_M"), "n": ("start_n", "BLOCK_N"), "dk": ("0", "BLOCK_DK"), "dv": ("0", "BLOCK_DV")}
+
+
 def _ctx(name: str, rows: tuple[str, str], cols: tuple[str, str], key_start: str | None = None) -> Ctx:
     """A tile context: ``rows`` = (var, offsets) laid along axis 0, ``cols`` along axis 1."""
     (rv, ro), (cv, co) = rows, cols
     return Ctx(name,
                vars={rv: f"{ro}[:, None]", cv: f"{co}[None, :]"},
-               masks={rv: f"mask_{rv}[:, None]", cv: f"mask_{cv}[None, :]"}, key_start=key_start)
+               masks={rv: f"mask_{rv}[:, None]", cv: f"mask_{cv}[None, :]"}, key_start=key_start,
+               blocks={v: BLOCKS[v] for v in (rv, cv)})
 
 
 CTX_Q = _ctx("q", ("m", "offs_m"), ("dk", "offs_dk"))
@@ -88,7 +93,8 @@ def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
     rows, cols, shape = TILE[base.name]
     TILE.setdefault(name, (rows, cols, shape.replace(f"BLOCK_{dim.upper()}", str(width))))
     return Ctx(name, vars={**base.vars, dim: f"({off} + tl.arange(0, {width})){axis}"},
-               masks={v: m for v, m in base.masks.items() if v != dim}, key_start=base.key_start)
+               masks={v: m for v, m in base.masks.items() if v != dim}, key_start=base.key_start,
+               blocks={**base.blocks, dim: (str(off), str(width))})
 
 
 def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, it: str) -> list[str]:
@@ -194,6 +200,8 @@ class KernelWriter:
     # P @ V in power-of-two pieces of DV (see ``dv_pieces``); the split-KV kernels keep whole
     # [BLOCK_M, BLOCK_DV] states in their workspace
     split_dv = True
+    # loop-variant tl.dot operands may load through tensor descriptors (``Emitter.descriptor_load``)
+    bulk_loads = True
 
     def __init__(self, region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
                  sparse: bool = True):
@@ -212,7 +220,7 @@ class KernelWriter:
     def dot_operand(self, e: Expr, ctx: Ctx, block: Block) -> tuple[str, torch.dtype]:
         dt = operand_dtype(e, self.r, self.interpret)
         if e.op == "load":   # a bare load keeps its storage type: no round trip through fp32
-            raw = self.em.load(e, ctx, block)
+            raw = self.em.load(e, ctx, block, bulk=self.bulk_loads)
             val = raw if self.r.inputs[e.args[0]].dtype == dt else f"{raw}.to({TL_DTYPE[dt]})"
         else:
             val = self.em.emit(e, ctx, block)
@@ -422,7 +430,11 @@ class KernelWriter:
         return args + ["DK: tl.constexpr", "DV: tl.constexpr", "EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr",
                        "SCAN_BLOCKS: tl.constexpr", "STATS: tl.constexpr",
                        "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-                       "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr"]
+                       "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr", *self.tma_arg()]
+
+    def tma_arg(self) -> list[str]:
+        """The TMA constexpr, in kernels with descriptor loads (``Emitter.descriptor_load``)."""
+        return ["TMA: tl.constexpr"] if self.em.tma else []
 
     def epilogue(self) -> None:
         """Store the row statistics (for the backward), the output tile and the extra row outputs
@@ -503,11 +515,12 @@ def short_expr(e: Expr, limit: int = 100) -> str:
 
 
 def generate(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
-             sparse: bool = True) -> tuple[str, list[BlockStat]]:
-    """Triton source of the forward kernel for ``region`` and the per-block statistics its
-    sparsity scan reads; raises CodegenError if unsupported.
+             sparse: bool = True) -> tuple[str, list[BlockStat], dict[int, set[int]]]:
+    """Triton source of the forward kernel for ``region``, the per-block statistics its
+    sparsity scan reads, and the inputs its tensor descriptors read (input -> the dims they
+    stride over; ``runtime.descriptors.ready``); raises CodegenError if unsupported.
     ``interpret``: the kernel will run under Triton's CPU interpreter."""
     if region.DK is None:
         raise CodegenError("region has no score contraction")
     w = KernelWriter(region, name, allow_tf32, interpret, sparse)
-    return w.write(), w.stats
+    return w.write(), w.stats, w.em.tma

@@ -86,8 +86,11 @@ def _ws_row(split: str) -> str:
 
 
 class SplitWriter(KernelWriter):
-    """The forward kernel restricted to one split of the key blocks, storing raw states."""
+    """The forward kernel restricted to one split of the key blocks, storing raw states. Its
+    loads stay pointer loads: the combine kernel takes the same argument list and has none to
+    make (a TMA constexpr would be the split's alone)."""
     split_dv = False
+    bulk_loads = False
 
     def signature(self) -> list[str]:
         args = super().signature()

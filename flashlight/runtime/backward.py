@@ -14,6 +14,7 @@ from ..codegen.backward import KernelStats
 from ..codegen.gradients import GradPlan
 from ..ir import Region
 from ..tune import Config, cdiv, head_block, pow2
+from . import descriptors
 from .buffers import unwritten
 
 
@@ -82,17 +83,21 @@ class BackwardKernels:
         return drow, ddot
 
     def launch_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        from .op import block_stat_args
+        from .op import block_stat_args, interpreting, launch_kernel
         r = self.region
         args = self.common(inputs, bufs, "dkdv", rowstats, *drows)
         args += block_stat_args(self.stats.dkdv, inputs, block_stats) + [*r.batch, r.M, r.N]
-        self.dkdv[(cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch))](
-            *args, DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)),
-            BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs())
+        tma = descriptors.flag(self.stats.tma_dkdv, inputs, interpreting())
+        launch_kernel(self.dkdv, (cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch)), args,
+                      dict(DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)), BLOCK_DK=head_block(r.DK),
+                           BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(), **({} if tma is None else {"TMA": tma})),
+                      inputs[0].device if tma else None)
 
     def launch_dq(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        from .op import block_stat_args, launch_meta
+        from .op import block_stat_args, interpreting, launch_kernel, launch_meta
         r = self.region
         args = self.common(inputs, bufs, "dq", rowstats, *drows)
         args += block_stat_args(self.stats.dq, inputs, block_stats) + [*r.batch, r.M, r.N]
-        self.dq[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](*args, **launch_meta(r, cfg))
+        tma = descriptors.flag(self.stats.tma_dq, inputs, interpreting())
+        launch_kernel(self.dq, (cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)), args, launch_meta(r, cfg, tma=tma),
+                      inputs[0].device if tma else None)

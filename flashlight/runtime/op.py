@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from triton.runtime.errors import OutOfResources
 
-from .._compat import fast_launch
+from .._compat import fast_launch, with_scratch
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gradients import grad_plan
 from ..ir import Region
@@ -32,7 +32,7 @@ from ..ir.region import from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, rows_config, smaller)
-from . import decode
+from . import decode, descriptors
 from .backward import BackwardKernels
 from .buffers import unwritten
 from .cache import load_module, source_hash
@@ -66,7 +66,8 @@ class CompiledRegion:
     bwd_reason: str = ""
     bwd_launches: int = 0
     split: object = None             # decode.SplitKernels once compiled (False: not splittable)
-    metas: dict = field(default_factory=dict)       # (config, stats) -> (grid, launch_meta)
+    metas: dict = field(default_factory=dict)       # (config, stats, TMA) -> (grid, launch_meta)
+    tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -176,10 +177,13 @@ class CompiledRegion:
         rowstats = unwritten(inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32))
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
         if not (split and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)):
-            meta = self.metas.get((cfg, stats))
+            tma = descriptors.flag(self.tma, inputs, interpreting())
+            meta = self.metas.get((cfg, stats, tma))
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
-                meta = self.metas[cfg, stats] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)), launch_meta(r, cfg, stats))
-            self.kernel[meta[0]](*kernel_args(r, self.stats, inputs, outs, rowstats, block_stats), **meta[1])
+                meta = self.metas[cfg, stats, tma] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)),
+                                                      launch_meta(r, cfg, stats, tma))
+            launch_kernel(self.kernel, meta[0], kernel_args(r, self.stats, inputs, outs, rowstats, block_stats),
+                          meta[1], inputs[0].device if tma else None)
         self.launches += 1
         return outs, (rowstats if stats else None)
 
@@ -349,13 +353,22 @@ def agree(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float = TUNE_AG
     return True
 
 
-def launch_meta(r: Region, cfg: Config, stats: bool | None = None) -> dict:
+def launch_meta(r: Region, cfg: Config, stats: bool | None = None, tma: bool | None = None) -> dict:
     """Constexpr and launch keyword arguments of a generated kernel (``stats``: the forward's
-    STATS constexpr; None for kernels without one, the backward's dQ)."""
+    STATS constexpr, ``tma``: the TMA one; None for kernels without it)."""
     return dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
                 SCAN_BLOCKS=pow2(cdiv(r.N, cfg.BLOCK_N)),
                 BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(),
-                **({} if stats is None else {"STATS": stats}))
+                **({} if stats is None else {"STATS": stats}), **({} if tma is None else {"TMA": tma}))
+
+
+def launch_kernel(kernel, grid, args: list, meta: dict, scratch) -> None:
+    """``kernel[grid](*args, **meta)``; ``scratch``: the device of a launch whose kernel makes
+    tensor descriptors (its global scratch comes from ``_compat.with_scratch``), else None."""
+    if scratch is None:
+        kernel[grid](*args, **meta)
+    else:
+        with_scratch(scratch, lambda: kernel[grid](*args, **meta))
 
 
 def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> float | None:
@@ -416,8 +429,8 @@ def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, t
 def compile_region(region: Region) -> CompiledRegion:
     """Generate, write and import the kernel for ``region``; register it under its key."""
     placeholder = "fl_fwd"
-    source, stats = generate(region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
-                             interpret=interpreting())
+    source, stats, tma = generate(region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                                  interpret=interpreting())
     name = f"fl_fwd_{source_hash(source)}"
     source = source.replace(f"def {placeholder}(", f"def {name}(")
     # one kernel per source (shared by all lengths); one registry entry per region and sizes
@@ -426,7 +439,7 @@ def compile_region(region: Region) -> CompiledRegion:
         module, path = load_module(name, source)
         kernel = fast_launch(getattr(module, name), interpreting())
         c = CompiledRegion(region, source, name, path, kernel, stats, key=key,
-                           sparse=useful(dead_predicate(region, region.passes()[0])))
+                           sparse=useful(dead_predicate(region, region.passes()[0])), tma=tma)
         REGISTRY[key] = c
     return REGISTRY[key]
 

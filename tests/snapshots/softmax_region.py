@@ -49,6 +49,7 @@ def fl_fwd_snapshot(
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # region batch rank 1, DK=4 DV=4
     #   in0: q rank 3 torch.float32
@@ -75,38 +76,54 @@ def fl_fwd_snapshot(
     r1 = tl.full([BLOCK_M, 1], 0.0, tl.float32)
     r2 = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     ld2 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
+    if TMA:
+        desc4 = tl.make_tensor_descriptor(in1_ptr + b0 * in1_s0, [N, DK], [in1_s1, 1], [BLOCK_N, BLOCK_DK])
+    if TMA:
+        desc9 = tl.make_tensor_descriptor(in2_ptr + b0 * in2_s0, [N, DV], [in2_s1, 1], [BLOCK_N, BLOCK_DV])
     for start_n in range((0) * BLOCK_N, (N // BLOCK_N) * BLOCK_N, BLOCK_N):  # full blocks: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
-        ld3 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+        if TMA:
+            ld3 = desc4.load([start_n, 0]).T
+        else:
+            ld3 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
         qk0 = tl.dot(ld2, ld3, input_precision="ieee")
         r0_new = tl.maximum(r0, tl.max(qk0, 1, keep_dims=True) * 0.7213475204444817)
         r0_safe = tl.where(r0_new == float("-inf"), 0.0, r0_new)  # exp(-inf - 0) = 0, not NaN
         alpha0 = tl.exp2(r0 - r0_safe)  # rescale of sums taken under the old max
-        t4 = (qk0 * (0.7213475204444817))
-        t5 = (t4 - r0_safe)
-        t6 = (tl.exp2(t5))
-        r1 = r1 * alpha0 + tl.sum(t6, 1, keep_dims=True)
-        ld7 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-        p8 = t6.to(tl.float32)
-        r2 = tl.dot(p8, ld7, r2 * alpha0, input_precision="ieee")
+        t5 = (qk0 * (0.7213475204444817))
+        t6 = (t5 - r0_safe)
+        t7 = (tl.exp2(t6))
+        r1 = r1 * alpha0 + tl.sum(t7, 1, keep_dims=True)
+        if TMA:
+            ld8 = desc9.load([start_n, 0])
+        else:
+            ld8 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+        p10 = t7.to(tl.float32)
+        r2 = tl.dot(p10, ld8, r2 * alpha0, input_precision="ieee")
         r0 = r0_new
     if not EVEN_N:
         for start_n in range((N // BLOCK_N) * BLOCK_N, (tl.cdiv(N, BLOCK_N)) * BLOCK_N, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
-            ld10 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
-            qk0 = tl.dot(ld2, ld10, input_precision="ieee")
+            if TMA:
+                ld12 = desc4.load([start_n, 0]).T
+            else:
+                ld12 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+            qk0 = tl.dot(ld2, ld12, input_precision="ieee")
             r0_new = tl.maximum(r0, tl.max(tl.where(mask_n[None, :], qk0, float("-inf")), 1, keep_dims=True) * 0.7213475204444817)
             r0_safe = tl.where(r0_new == float("-inf"), 0.0, r0_new)  # exp(-inf - 0) = 0, not NaN
             alpha0 = tl.exp2(r0 - r0_safe)  # rescale of sums taken under the old max
-            t11 = (qk0 * (0.7213475204444817))
-            t12 = (t11 - r0_safe)
-            t13 = (tl.exp2(t12))
-            r1 = r1 * alpha0 + tl.sum(tl.where(mask_n[None, :], t13, 0.0), 1, keep_dims=True)
-            ld14 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-            p15 = tl.where(mask_n[None, :], t13, 0.0).to(tl.float32)
-            r2 = tl.dot(p15, ld14, r2 * alpha0, input_precision="ieee")
+            t13 = (qk0 * (0.7213475204444817))
+            t14 = (t13 - r0_safe)
+            t15 = (tl.exp2(t14))
+            r1 = r1 * alpha0 + tl.sum(tl.where(mask_n[None, :], t15, 0.0), 1, keep_dims=True)
+            if TMA:
+                ld16 = desc9.load([start_n, 0])
+            else:
+                ld16 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+            p17 = tl.where(mask_n[None, :], t15, 0.0).to(tl.float32)
+            r2 = tl.dot(p17, ld16, r2 * alpha0, input_precision="ieee")
             r0 = r0_new
     r0_s = tl.where(r0 == float("-inf"), 0.0, r0)
     # statistics for the backward (see rowstat_columns); STATS is off when no
@@ -114,5 +131,5 @@ def fl_fwd_snapshot(
     if STATS:
         tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 0, r0_s, mask=mask_m[:, None])
         tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + 1, r1, mask=mask_m[:, None])
-    t16 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
-    tl.store(out_ptr + b0 * out_s0 + offs_m[:, None] * out_s1 + offs_dv[None, :] * out_s2, t16.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+    t18 = (tl.where(r1 == 0, 0.0, r2 / tl.where(r1 == 0, 1.0, r1)))
+    tl.store(out_ptr + b0 * out_s0 + offs_m[:, None] * out_s1 + offs_dv[None, :] * out_s2, t18.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])

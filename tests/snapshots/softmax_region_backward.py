@@ -54,6 +54,7 @@ def fl_bwd_snapshot(
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # region batch rank 1, DK=4 DV=4
     #   in0: q rank 3 torch.float32
@@ -84,8 +85,10 @@ def fl_bwd_snapshot(
     f3 = 0
     f4 = tl.where((n_hi - n_lo == BLOCK_N - 1), M // BLOCK_M, 0)
     hi2 = tl.cdiv(M, BLOCK_M)
-    ld7 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[:, None] * in1_s1 + offs_dk[None, :] * in1_s2, mask=mask_dk[None, :] & mask_n[:, None], other=0)
-    ld8 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+    if TMA:
+        desc7 = tl.make_tensor_descriptor(in0_ptr + b0 * in0_s0, [M, DK], [in0_s1, 1], [BLOCK_M, BLOCK_DK])
+    ld8 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[:, None] * in1_s1 + offs_dk[None, :] * in1_s2, mask=mask_dk[None, :] & mask_n[:, None], other=0)
+    ld9 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
     for start_m in range((f3) * BLOCK_M, (f4) * BLOCK_M, BLOCK_M):  # full blocks: no masks
         offs_m = start_m + tl.arange(0, BLOCK_M)
         mask_m = tl.full([BLOCK_M], 1, tl.int1)
@@ -95,21 +98,24 @@ def fl_bwd_snapshot(
         dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = tl.full([BLOCK_N, BLOCK_M], 1, tl.int1)
         # recompute the score tiles
-        ld6 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld7, ld6, input_precision="ieee")
+        if TMA:
+            ld6 = desc7.load([start_m, 0]).T
+        else:
+            ld6 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld8, ld6, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        dp2 = tl.dot(ld8, tl.trans(dr2), input_precision="ieee")
+        dp2 = tl.dot(ld9, tl.trans(dr2), input_precision="ieee")
         db2 = tl.where(mask_mn, dp2, 0.0)
-        t9 = (qk0 * (0.7213475204444817))
-        t10 = (t9 - r0_s)
-        t11 = (tl.exp2(t10))
-        p2 = tl.where(mask_mn, t11, 0.0)
+        t10 = (qk0 * (0.7213475204444817))
+        t11 = (t10 - r0_s)
+        t12 = (tl.exp2(t11))
+        p2 = tl.where(mask_mn, t12, 0.0)
         dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t12 = (db1 + db2)
-        t13 = (t12 * t11)
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t13, [BLOCK_N, BLOCK_M]), 0.0)
+        t13 = (db1 + db2)
+        t14 = (t13 * t12)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t14, [BLOCK_N, BLOCK_M]), 0.0)
         dk0 = tl.dot(ds0, tl.trans(ld6), dk0, input_precision="ieee")
     i5_head = tl.maximum((f3) - (lo1), 0)  # masked blocks: [lo1, f3), then [f4, hi2)
     for i5 in range(0, i5_head + tl.maximum((hi2) - (f4), 0)):
@@ -122,22 +128,25 @@ def fl_bwd_snapshot(
         dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
         mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile
         # recompute the score tiles
-        ld14 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
-        qk0 = tl.dot(ld7, ld14, input_precision="ieee")
+        if TMA:
+            ld15 = desc7.load([start_m, 0]).T
+        else:
+            ld15 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[None, :] * in0_s1 + offs_dk[:, None] * in0_s2, mask=mask_dk[:, None] & mask_m[None, :], other=0)
+        qk0 = tl.dot(ld8, ld15, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V), and dV += body^T @ dR
         db1 = tl.where(mask_mn, dr1, 0.0)
-        dp2 = tl.dot(ld8, tl.trans(dr2), input_precision="ieee")
+        dp2 = tl.dot(ld9, tl.trans(dr2), input_precision="ieee")
         db2 = tl.where(mask_mn, dp2, 0.0)
-        t15 = (qk0 * (0.7213475204444817))
-        t16 = (t15 - r0_s)
-        t17 = (tl.exp2(t16))
-        p2 = tl.where(mask_mn, t17, 0.0)
+        t16 = (qk0 * (0.7213475204444817))
+        t17 = (t16 - r0_s)
+        t18 = (tl.exp2(t17))
+        p2 = tl.where(mask_mn, t18, 0.0)
         dv0 = tl.dot(p2, dr2, dv0, input_precision="ieee")
         # reverse through the bodies: loaded biases and tables, then dS -> dK
-        t18 = (db1 + db2)
-        t19 = (t18 * t17)
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t19, [BLOCK_N, BLOCK_M]), 0.0)
-        dk0 = tl.dot(ds0, tl.trans(ld14), dk0, input_precision="ieee")
+        t19 = (db1 + db2)
+        t20 = (t19 * t18)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t20, [BLOCK_N, BLOCK_M]), 0.0)
+        dk0 = tl.dot(ds0, tl.trans(ld15), dk0, input_precision="ieee")
     # gradients of the K and V operands, accumulated over all query blocks
     dk0 = dk0 * 0.5
     tl.store(g1_ptr + b0 * g1_s0 + offs_n[:, None] * g1_s1 + offs_dk[None, :] * g1_s2, tl.broadcast_to(dk0, [BLOCK_N, BLOCK_DK]).to(g1_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_n[:, None])
@@ -181,6 +190,7 @@ def fl_bwd_snapshot_dq(
     BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     # region batch rank 1, DK=4 DV=4
     #   in0: q rank 3 torch.float32
@@ -208,25 +218,35 @@ def fl_bwd_snapshot_dq(
     dr2 = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], mask=mask_m[:, None] & mask_dv[None, :], other=0.0)
     dq0 = tl.zeros([BLOCK_M, BLOCK_DK], dtype=tl.float32)
     ld2 = tl.load(in0_ptr + b0 * in0_s0 + offs_m[:, None] * in0_s1 + offs_dk[None, :] * in0_s2, mask=mask_dk[None, :] & mask_m[:, None], other=0)
+    if TMA:
+        desc4 = tl.make_tensor_descriptor(in1_ptr + b0 * in1_s0, [N, DK], [in1_s1, 1], [BLOCK_N, BLOCK_DK])
+    if TMA:
+        desc6 = tl.make_tensor_descriptor(in2_ptr + b0 * in2_s0, [N, DV], [in2_s1, 1], [BLOCK_N, BLOCK_DV])
     for start_n in range((0) * BLOCK_N, (N // BLOCK_N) * BLOCK_N, BLOCK_N):  # full blocks: no masks
         offs_n = start_n + tl.arange(0, BLOCK_N)
         mask_n = tl.full([BLOCK_N], 1, tl.int1)
         mask_mn = tl.full([BLOCK_M, BLOCK_N], 1, tl.int1)
         # recompute the score tiles
-        ld3 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+        if TMA:
+            ld3 = desc4.load([start_n, 0]).T
+        else:
+            ld3 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
         qk0 = tl.dot(ld2, ld3, input_precision="ieee")
         # d body: dR (sum) or dR @ V^T (P @ V)
         db1 = tl.where(mask_mn, dr1, 0.0)
-        ld4 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-        dp2 = tl.dot(dr2, tl.trans(ld4), input_precision="ieee")
+        if TMA:
+            ld5 = desc6.load([start_n, 0])
+        else:
+            ld5 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+        dp2 = tl.dot(dr2, tl.trans(ld5), input_precision="ieee")
         db2 = tl.where(mask_mn, dp2, 0.0)
         # reverse through the bodies: dS -> dQ
-        t5 = (db1 + db2)
-        t6 = (qk0 * (0.7213475204444817))
-        t7 = (t6 - r0_s)
-        t8 = (tl.exp2(t7))
-        t9 = (t5 * t8)
-        ds0 = tl.where(mask_mn, tl.broadcast_to(t9, [BLOCK_M, BLOCK_N]), 0.0)
+        t7 = (db1 + db2)
+        t8 = (qk0 * (0.7213475204444817))
+        t9 = (t8 - r0_s)
+        t10 = (tl.exp2(t9))
+        t11 = (t7 * t10)
+        ds0 = tl.where(mask_mn, tl.broadcast_to(t11, [BLOCK_M, BLOCK_N]), 0.0)
         dq0 = tl.dot(ds0, tl.trans(ld3), dq0, input_precision="ieee")
     if not EVEN_N:
         for start_n in range((N // BLOCK_N) * BLOCK_N, (tl.cdiv(N, BLOCK_N)) * BLOCK_N, BLOCK_N):
@@ -234,21 +254,27 @@ def fl_bwd_snapshot_dq(
             mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N
             mask_mn = mask_m[:, None] & mask_n[None, :]
             # recompute the score tiles
-            ld11 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
-            qk0 = tl.dot(ld2, ld11, input_precision="ieee")
+            if TMA:
+                ld13 = desc4.load([start_n, 0]).T
+            else:
+                ld13 = tl.load(in1_ptr + b0 * in1_s0 + offs_n[None, :] * in1_s1 + offs_dk[:, None] * in1_s2, mask=mask_dk[:, None] & mask_n[None, :], other=0)
+            qk0 = tl.dot(ld2, ld13, input_precision="ieee")
             # d body: dR (sum) or dR @ V^T (P @ V)
             db1 = tl.where(mask_mn, dr1, 0.0)
-            ld12 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
-            dp2 = tl.dot(dr2, tl.trans(ld12), input_precision="ieee")
+            if TMA:
+                ld14 = desc6.load([start_n, 0])
+            else:
+                ld14 = tl.load(in2_ptr + b0 * in2_s0 + offs_n[:, None] * in2_s1 + offs_dv[None, :] * in2_s2, mask=mask_dv[None, :] & mask_n[:, None], other=0)
+            dp2 = tl.dot(dr2, tl.trans(ld14), input_precision="ieee")
             db2 = tl.where(mask_mn, dp2, 0.0)
             # reverse through the bodies: dS -> dQ
-            t13 = (db1 + db2)
-            t14 = (qk0 * (0.7213475204444817))
-            t15 = (t14 - r0_s)
-            t16 = (tl.exp2(t15))
-            t17 = (t13 * t16)
-            ds0 = tl.where(mask_mn, tl.broadcast_to(t17, [BLOCK_M, BLOCK_N]), 0.0)
-            dq0 = tl.dot(ds0, tl.trans(ld11), dq0, input_precision="ieee")
+            t15 = (db1 + db2)
+            t16 = (qk0 * (0.7213475204444817))
+            t17 = (t16 - r0_s)
+            t18 = (tl.exp2(t17))
+            t19 = (t15 * t18)
+            ds0 = tl.where(mask_mn, tl.broadcast_to(t19, [BLOCK_M, BLOCK_N]), 0.0)
+            dq0 = tl.dot(ds0, tl.trans(ld13), dq0, input_precision="ieee")
     # gradients of the Q operands, accumulated over all key blocks
     dq0 = dq0 * 0.5
     tl.store(g0_ptr + b0 * g0_s0 + offs_m[:, None] * g0_s1 + offs_dk[None, :] * g0_s2, tl.broadcast_to(dq0, [BLOCK_M, BLOCK_DK]).to(g0_ptr.dtype.element_ty), mask=mask_dk[None, :] & mask_m[:, None])
