@@ -13,6 +13,9 @@ Backends (a call that one cannot make is "n/a" — printed "–" — never an er
     inductor        torch.compile(fn) with default settings, one per (program, mode) for the
                     whole run: what a plain user gets (shapes turn dynamic after a change)
     eager           fn itself
+    flashlight_b    flashlight again, compiled afresh, every call under the environment
+                    variables of ``Env.b_env`` (``run --b-env FLASHLIGHT_TMA=1``): an A/B of an
+                    env-gated code path in one process, on the same inputs
 
 An exception in any backend is recorded in its ``note`` column and the run goes on.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -51,6 +55,7 @@ class Env:
     tol: float = 2e-2          # forward rel. error that counts as ok (training: 2.5x)
     backends: tuple[str, ...] | None = None     # None: every backend of the case
     inductor: dict = field(default_factory=dict)     # (program, mode) -> compiled fn
+    b_env: dict = field(default_factory=dict)        # flashlight_b's environment (empty: not run)
 
     @property
     def cuda(self) -> bool:
@@ -153,6 +158,11 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
     if backend == "flashlight":
         fn = torch.compile(prog.fn, backend="flashlight", dynamic=False)
         return lambda: fn(*xs)
+    if backend == "flashlight_b":
+        if not env.b_env:
+            raise NotApplicable("no --b-env")
+        fn = torch.compile(prog.fn, backend="flashlight", dynamic=False)
+        return lambda: with_environ(env.b_env, lambda: fn(*xs))
     if backend == "inductor":
         key = (case.program, case.mode)
         if key not in env.inductor:
@@ -187,6 +197,20 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
                 return call()
         return run
     raise KeyError(backend)
+
+
+def with_environ(values: dict, call: Callable):
+    """``call()`` with ``os.environ`` updated by ``values``, restored afterwards."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        return call()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def with_backward(call: Callable, leaves, dout) -> Callable:
@@ -254,7 +278,7 @@ def measure_backend(backend: str, case: Case, xs, leaves, dout, ref, env: Env, s
     try:
         call = build(backend, case, xs, env, shared)
         run = call if case.mode == "fwd" else with_backward(call, leaves, dout)
-        if backend == "flashlight":
+        if backend in ("flashlight", "flashlight_b"):
             (results, first_s), graphs = flashlight_reports(lambda: timed_first_call(run, env))
             cell["fused"] = sum(len(g.regions) for g in graphs)
             fallbacks = [f for g in graphs for f in g.fallbacks]

@@ -127,6 +127,7 @@ TABLE = [  # header, width, value(row), format
         r.get(f"{b}_ms") == NA for b in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient")) else ""), ".2f"),
     ("xcomp", 6, vs("inductor"), ".2f"),
     ("xeager", 6, vs("eager"), ".2f"),
+    ("xB", 5, lambda r: ratio(r, "flashlight_b") or "", ".3f"),
     ("1st_fl", 6, lambda r: r.get("flashlight_first_s"), ".1f"),
     ("1st_fx", 6, lambda r: r.get("flex_first_s"), ".1f"),
 ]
@@ -134,7 +135,8 @@ TABLE = [  # header, width, value(row), format
 LEGEND = ("fl_ms: Flashlight median ms; TF/s: its TFLOP/s of unmasked work; err: max rel. error vs "
           "fp32 eager (output, and q/k/v grads in training); xNAME = NAME ms / Flashlight ms "
           "(> 1: Flashlight faster); flex+bm: create_block_mask inside the call; sdpa: fastest "
-          "SDPA backend; comp: torch.compile; 1st_*: first-call seconds (compile + tune); "
+          "SDPA backend; comp: torch.compile; xB: --b-env's A/B, Flashlight under those variables (ms) / "
+          "Flashlight (ms); 1st_*: first-call seconds (compile + tune); "
           "–: n/a; err: failed (the CSV's *_note says why); blank: not run")
 
 

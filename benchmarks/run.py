@@ -12,12 +12,14 @@ is done, prints it, and at the end prints a summary table and writes PNG plots (
 OUT is ``--out``, else ``$OUT``, else ``benchmarks/results/<gpu>-<date>``; runs into the same OUT
 add to the same CSV, so suites can be measured by separate commands and plotted together.
 
-Flashlight's tuning cache starts empty (a fresh ``FLASHLIGHT_CACHE_DIR``) so that first-call times
-include autotuning; ``--keep-tune-cache`` uses the usual one.
+Every run starts with empty caches (fresh ``FLASHLIGHT_CACHE_DIR``, ``TRITON_CACHE_DIR`` and
+``TORCHINDUCTOR_CACHE_DIR``), so first-call times include every system's cold compile (and
+Flashlight's autotuning, when asked for); ``--keep-tune-cache`` uses the usual ones.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -145,7 +147,11 @@ def parse_args(argv=None):
     p.add_argument("--out", help="results directory (default $OUT, else benchmarks/results/<gpu>-<date>)")
     p.add_argument("--time-limit", type=float, help="start no new case after this many seconds")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--keep-tune-cache", action="store_true", help="reuse Flashlight's on-disk tuning cache")
+    p.add_argument("--keep-tune-cache", action="store_true",
+                   help="reuse the on-disk caches: Flashlight's tuning results, Triton's and Inductor's compiled "
+                        "code (default: fresh ones per run, so every system's first call compiles cold)")
+    p.add_argument("--b-env", help="also time flashlight_b: Flashlight with these environment variables, "
+                   "e.g. FLASHLIGHT_TMA=1 (comma list of NAME=VALUE); the table's xB = B ms / A ms")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
     return p.parse_args(argv)
 
@@ -168,14 +174,20 @@ def main(argv=None) -> int:
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("note: without TRITON_INTERPRET=1 Flashlight's CPU path is its reference evaluator, "
               "not the generated kernels", file=sys.stderr)
-    if not args.keep_tune_cache:
-        os.environ["FLASHLIGHT_CACHE_DIR"] = tempfile.mkdtemp(prefix="flashlight-bench-")
+    if not args.keep_tune_cache:     # first calls compile cold: Flex's kernels are not left warm by an
+        # earlier run on the machine (session 8: five Flex first calls read 0.4-0.5 s after training)
+        for var, prefix in (("FLASHLIGHT_CACHE_DIR", "flashlight-bench-"), ("TRITON_CACHE_DIR", "triton-bench-"),
+                            ("TORCHINDUCTOR_CACHE_DIR", "inductor-bench-")):
+            os.environ[var] = tempfile.mkdtemp(prefix=prefix)
     configure_dynamo()
     torch.set_float32_matmul_precision("highest")      # the fp32 reference without TF32
     dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
     env = Env(device=args.device, dtype=dtype, warmup=args.warmup, rep=args.rep,
               tol=1e-3 if dtype == torch.float32 else 2e-2,
-              backends=tuple(args.backends.split(",")) if args.backends else None)
+              backends=tuple(args.backends.split(",")) if args.backends else None,
+              b_env=dict(kv.split("=", 1) for kv in args.b_env.split(",")) if args.b_env else {})
+    if env.b_env:       # right after flashlight in every case
+        cases = [dataclasses.replace(c, backends=(c.backends[0], "flashlight_b", *c.backends[1:])) for c in cases]
     out = args.out or default_out(args.device)
     os.makedirs(out, exist_ok=True)
     sink = CsvSink(os.path.join(out, "results.csv"))

@@ -28,7 +28,7 @@ from . import flex_equivalents as fe
 
 SUITES = ("flex", "sparsity", "beyond", "training", "decode")
 BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
-            "inductor", "eager")
+            "inductor", "eager", "flashlight_b")
 
 
 @dataclass(frozen=True)
