@@ -96,3 +96,43 @@ def test_a_layout_tma_rejects_falls_back_to_pointer_loads(tma):
     seen = launched_tma(lambda: check_fused(vanilla.attention, q, k, v, tol=1e-5))
     assert set(seen) == {False}
     assert any(c.tma for c in REGISTRY.values())
+
+
+def nan_padded(shape, dims: dict[int, int]) -> torch.Tensor:
+    """A random tensor of ``shape`` viewed inside a NaN-filled buffer larger along ``dims``
+    (dim -> extra size): a descriptor read past the region's extents would bring NaN in."""
+    full = [s + dims.get(d, 0) for d, s in enumerate(shape)]
+    buf = torch.full(full, float("nan"))
+    view = buf[tuple(slice(0, s) for s in shape)]
+    view.copy_(torch.randn(shape))
+    return view
+
+
+def attend_kt(q, kt, v):
+    """K stored transposed ([B, H, D, N]): the descriptor's inner dim is the key index."""
+    return torch.softmax(q @ kt * q.shape[-1] ** -0.5, -1) @ v
+
+
+@pytest.mark.parametrize("case", ["longer_cache", "wider_head", "k_transposed", "pieces_d80", "cross"])
+def test_descriptor_reads_stay_inside_the_region(case, tma):
+    """Memory past every extent is NaN; forward and gradients match float64 on the descriptor path."""
+    if case == "longer_cache":       # a KV cache of 64 rows, attention over its first 37
+        fn, q = vanilla.attention, torch.randn(1, 2, 37, 16)
+        k, v = nan_padded((1, 2, 37, 16), {2: 27}), nan_padded((1, 2, 37, 16), {2: 27})
+    elif case == "wider_head":       # head dim 24 inside rows of 32 (pads to a 32-wide tile)
+        fn, q = vanilla.attention, torch.randn(1, 2, 33, 24)
+        k, v = nan_padded((1, 2, 33, 24), {3: 8}), nan_padded((1, 2, 33, 24), {3: 8})
+    elif case == "k_transposed":
+        fn, q = attend_kt, torch.randn(1, 2, 40, 16)
+        k, v = nan_padded((1, 2, 16, 40), {3: 8}), nan_padded((1, 2, 40, 16), {2: 8})
+    elif case == "pieces_d80":       # QK^T and P @ V in pieces 64 + 16
+        fn, q = causal.attention, torch.randn(1, 1, 35, 80)
+        k, v = nan_padded((1, 1, 35, 80), {2: 13}), nan_padded((1, 1, 35, 80), {2: 13})
+    else:                            # cross attention, M != N
+        fn, q = vanilla.attention, torch.randn(1, 2, 29, 16)
+        k, v = nan_padded((1, 2, 45, 16), {2: 3}), nan_padded((1, 2, 45, 16), {2: 3})
+    seen = launched_tma(lambda: check_fused(fn, q, k, v, tol=1e-5))
+    assert set(seen) == {True}
+    inputs = [x.requires_grad_() for x in (q, k, v)]
+    seen = launched_tma(lambda: check_grads(fn, inputs))
+    assert set(seen) == {True}

@@ -292,11 +292,14 @@ class Emitter:
         if any(free_vars(ie) - {v for v in free_vars(ie) if v.startswith("b")}
                for d, ie in enumerate(idx) if d not in dims.values()):
             return None
+        if any(not ctx.blocks[v][0].isdigit() and not self.variant(var(v)) for v in dims):
+            return None     # a moving coordinate must be the loop's own (start_n / start_m)
         root = block
         while root.parent is not None:
             root = root.parent
         (o_start, o_width), (i_start, i_width) = ctx.blocks[outer], ctx.blocks[inner]
-        key = ("desc", i, dims[outer], o_width, i_width, tuple(ie for d, ie in enumerate(idx) if d not in dims.values()))
+        key = ("desc", i, outer, inner, dims[outer], o_width, i_width,
+               tuple(ie for d, ie in enumerate(idx) if d not in dims.values()))
         desc = root.names.get(key)
         if desc is None:
             terms = []

@@ -8,7 +8,9 @@ hand-written kernel gained 8% from it. ``FLASHLIGHT_TMA=1`` turns it on where ev
 through a descriptor has a layout the bulk tensor copy accepts: last stride 1, every other
 stride and the address 16-byte aligned, and a positive stride along the tile's outer dim. The
 check runs per call (a layout can change between calls of one shape), and the kernel is compiled
-once per value. Never on GPUs before Hopper (sm_90); under the interpreter as on Hopper.
+once per value. Never on GPUs before Hopper (sm_90) or on ROCm; under the interpreter as on
+Hopper. Launch configs (the OutOfResources fallback, tuning results on disk) are not keyed by
+the constexpr: a config chosen with it on is reused with it off.
 
 Descriptors are made on the device, one per program, in global scratch that Triton asks an
 allocator for at launch: ``_compat.with_scratch`` supplies one for our launches only.
@@ -23,7 +25,9 @@ import torch
 
 @functools.lru_cache(maxsize=None)
 def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA GPU of compute capability 9.0 or later (ROCm reports 9.x for MI200 and MI300,
+    where Triton lowers descriptors back to pointer loads: no point compiling a second kernel)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def enabled(x: torch.Tensor, interpret: bool) -> bool:

@@ -23,10 +23,10 @@ import triton
 
 @dataclass(frozen=True)
 class Config:
-    """A launch config. ``maxnreg`` caps registers per thread (None: ptxas decides): a kernel
-    of 8 warps under 128 registers leaves room for a second program on the multiprocessor,
-    whose softmax then overlaps this one's matrix products (Triton 3.6 has no warp
-    specialisation on sm_90, and the two warpgroups of one program run in lockstep)."""
+    """A launch config. ``maxnreg`` caps registers per thread (None: ptxas decides). It was
+    added to fit two 8-warp programs per multiprocessor (<= 128 registers), so that one's
+    softmax would overlap the other's matrix products; offline sm_90 compiles show ptxas then
+    serialises the wgmma (docs/notes.md, session 9), so no default or candidate uses it."""
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int = 4
