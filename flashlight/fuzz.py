@@ -6,8 +6,9 @@ Each program draws: shapes (primes included), layout (BHSD or BSHD), where the s
 and its spelling, a mask (none, causal, window, prefix, document ids, key padding, a boolean
 tensor) and its fill value (-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
 the softmax spelling, a second softmax map over the same V combined with the first (DiffAttn's
-difference with a learned λ, or a mean), and an epilogue (a head-merging reshape, an RMSNorm, a
-sigmoid gate). The program is plain PyTorch, built from closures.
+difference with a learned λ, or a mean), an epilogue (a head-merging reshape, an RMSNorm, a
+sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss). The
+program is plain PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def make_program(rng: random.Random) -> Program:
         }[mask]
         if keep is not None:
             s = s.masked_fill(~keep, fill) if rng_fill_style else torch.where(keep, s, fill)
+        if sink:                            # one more column per row, dropped after the softmax
+            s = torch.cat([s, ex["sinks"].view(1, H, 1, 1).expand(B, H, M, 1)], dim=-1)
         if spelling == "torch":
             p = torch.softmax(s, dim=-1)
         elif spelling == "F_fp32":
@@ -120,6 +123,8 @@ def make_program(rng: random.Random) -> Program:
         else:
             e = torch.exp(s - s.amax(-1, keepdim=True))
             p = e / e.sum(-1, keepdim=True)
+        if sink:
+            p = p[..., :N]
         if oracle and second != "none":
             p = p.nan_to_num(0.0)           # a fully masked row of this map adds 0, not NaN
         o = p @ v
@@ -141,9 +146,13 @@ def make_program(rng: random.Random) -> Program:
     if second == "difference":
         extra["lam"] = torch.tensor(rng.uniform(0.2, 0.8))
         names.append("lam")
+    sink = rng.random() < 0.15      # drawn after everything else, for the same reason
+    if sink:
+        extra["sinks"] = rand(H)
+        names.append("sinks")
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
-            f"window={window} prefix={prefix} epilogue={epilogue} second={second}")
+            f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink}")
     return Program(desc, program, (q, k, v, *extra.values()), grads=grads,
                    oracle=lambda *xs: program(*xs, oracle=True))
 

@@ -35,8 +35,8 @@ from ..ir.expr import BINDS, children
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, prelude
-from .gradients import GradPlan, grad_plan, scatter
-from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
+from .gradients import GradPlan, extra_seeds, grad_plan, scatter
+from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
                      batch_index, block_loops, dk_chunks, dv_state, full_tile, key_block, operand_dtype, out_offsets,
                      piece_ctx, piece_suffix, segment_bounds, short_expr)
 
@@ -80,12 +80,19 @@ def backward_support(region: Region) -> str | None:
     A max reduction m only shifts the sums it rescales (``online``): they scale as exp(-m), so
     when the output is homogeneous of degree 0 in them the total derivative through m is zero and
     m is a constant in the backward. Bodies may read no other reduction (a row gradient of a sum
-    read inside a body would need a pass over N before the tile loop)."""
+    read inside a body would need a pass over N before the tile loop). A sink element (``extra``:
+    one more row-level element) shifts with the max too; a sum's gets its row gradient in the
+    row kernel, which scatters it into the loads it reads (the sink logits)."""
     if region.rows:
         return "the region has extra row outputs (flashlight::region_rows: the reference VJP)"
     for j, r in enumerate(region.reductions):
         if r.extra is not None:
-            return f"red{j} has a sink element (its gradient has no rule yet)"
+            inner = {v for v in free_vars(r.extra) if not v.startswith("b")} - {"m"}
+            if inner or refs(r.extra, "red") - {r.online} or refs(r.extra, "dot"):
+                return f"red{j}'s extra element is not a row value of its shift"
+            op = not_differentiable(r.extra)
+            if op:
+                return f"no derivative rule for {op}"
         if r.kind == "max":
             if j in refs(region.out, "red"):
                 return f"the output reads the maximum red{j} itself"
@@ -230,6 +237,10 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
             mask = "mask_o" if reduction.kind == "dot" else "mask_m[:, None]"
             block.lines.append(f"r{j} = tl.load(rowstats_ptr + row + {cols[j]}{dv}, mask={mask}, other=0.0)")
         em.red_names[j] = f"r{j}"
+    for k in sorted(set().union(*(refs(r.extra, "red") for r in region.reductions if r.extra is not None))
+                    - set(em.red_names)):     # the shifts a sink element reads
+        block.lines.append(f"r{k} = tl.load(rowstats_ptr + row + {cols[k]}, mask=mask_m[:, None], other=0.0)")
+        em.red_names[k] = f"r{k}"
     adjoints = vjp({region.out: tile("do")})
     for j, reduction in enumerate(region.reductions):
         if red(j) not in adjoints:
@@ -250,10 +261,11 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
         if reduction.kind == "dot":
             block.lines.append(f"tl.store(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + {dg.cols[j]} + "
                                f"offs_dv[None, :], {g}.to(ddot_ptr.dtype.element_ty), mask=mask_o)")
-        else:
-            block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.sum({g}, 1, keep_dims=True), "
-                               "mask=mask_m[:, None])")
+        else:       # named: a sink element's gradient reads it (``extra_seeds``)
+            block.lines += [f"dr{j} = tl.sum({g}, 1, keep_dims=True)",
+                            f"tl.store(drow_ptr + row + {cols[j]}, dr{j}, mask=mask_m[:, None])"]
     scatter(em, adjoints, CTX_O, block, plan.stored, "mask_o")
+    scatter(em, vjp(extra_seeds(region, plan.members)), CTX_ROW, block, plan.stored, "mask_m[:, None]")
     args = tensor_args(region, "in", range(len(region.inputs))) + tensor_args(region, "g", plan.written("rows"))
     args += ["out_ptr", *[f"out_s{d}" for d in range(len(region.result_shape))]]
     args += ["dout_ptr", *[f"dout_s{d}" for d in range(len(region.result_shape))],

@@ -19,7 +19,7 @@ from .emit import Block, Ctx, Emitter
 from .kernel import TILE
 
 # the tile axis that tells a kernel's programs apart, per context (grid axis 0)
-PROGRAM_AXIS = {"o": "m", "q": "m", "k": "n", "kn": "n", "v": "n"}
+PROGRAM_AXIS = {"o": "m", "row": "m", "q": "m", "k": "n", "kn": "n", "v": "n"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,17 @@ def loads(adjoints: dict[Expr, Expr]) -> list[Expr]:
     return [x for x in adjoints if x.op == "load"]
 
 
+def extra_seeds(region: Region, members: list[int]) -> dict[Expr, Expr]:
+    """The adjoint of every member sum's extra element (a sink logit's exp(s_h - m)): its row
+    gradient ``dr{j}``, as the row kernel names it (r_j = extra_j + sum_n body_j)."""
+    seeds: dict[Expr, Expr] = {}
+    for j in members:
+        e = region.reductions[j].extra
+        if e is not None:
+            seeds[e] = seeds[e] + tile(f"dr{j}") if e in seeds else tile(f"dr{j}")
+    return seeds
+
+
 def _distinct(exprs) -> list[Expr]:
     return list(dict.fromkeys(exprs))
 
@@ -74,6 +85,7 @@ def grad_plan(region: Region) -> GradPlan:
             "dv": _distinct(region.reductions[j].v for j in members if region.reductions[j].kind == "dot")}
     plan = GradPlan(members, dots, accs)
     plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
+    plan.sites += [Site(x.args[0], x, "row", "rows", True) for x in loads(vjp(extra_seeds(region, members)))]
     plan.sites += [Site(x.args[0], x, "s", "dkdv", False) for x in loads(body_adj)]
     for kind, ctx, kernel in (("dk", "k", "dkdv"), ("dv", "v", "dkdv"), ("dq", "q", "dq")):
         for e in accs[kind]:

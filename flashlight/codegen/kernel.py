@@ -43,7 +43,10 @@ CTX_QT = _ctx("qt", ("dk", "offs_dk"), ("m", "offs_m"))
 TILE = {"q": ("m", "dk", "[BLOCK_M, BLOCK_DK]"), "k": ("dk", "n", "[BLOCK_DK, BLOCK_N]"),
         "s": ("m", "n", "[BLOCK_M, BLOCK_N]"), "v": ("n", "dv", "[BLOCK_N, BLOCK_DV]"),
         "o": ("m", "dv", "[BLOCK_M, BLOCK_DV]"), "st": ("n", "m", "[BLOCK_N, BLOCK_M]"),
-        "kn": ("n", "dk", "[BLOCK_N, BLOCK_DK]"), "qt": ("dk", "m", "[BLOCK_DK, BLOCK_M]")}
+        "kn": ("n", "dk", "[BLOCK_N, BLOCK_DK]"), "qt": ("dk", "m", "[BLOCK_DK, BLOCK_M]"),
+        "row": ("m", "-", "[BLOCK_M, 1]")}
+# a row value over (b..., m): a [BLOCK_M, 1] tile (the row-gradient kernel's sinks; "-": no var)
+CTX_ROW = Ctx("row", vars={"m": "offs_m[:, None]"}, masks={"m": "mask_m[:, None]"})
 
 
 def dk_chunks(dk: int) -> list[tuple[int, int]] | None:

@@ -331,6 +331,7 @@ def fl_bwd_snapshot_rows(
     t2 = (do * t1)
     t3 = (tl.where(r1 == 0, 0.0, t2 / tl.where(r1 == 0, 1.0, r1)))
     t4 = (-t3)
-    tl.store(drow_ptr + row + 1, tl.sum(tl.where(mask_o, tl.broadcast_to(t4, [BLOCK_M, BLOCK_DV]), 0.0), 1, keep_dims=True), mask=mask_m[:, None])
+    dr1 = tl.sum(tl.where(mask_o, tl.broadcast_to(t4, [BLOCK_M, BLOCK_DV]), 0.0), 1, keep_dims=True)
+    tl.store(drow_ptr + row + 1, dr1, mask=mask_m[:, None])
     t5 = (tl.where(r1 == 0, 0.0, do / tl.where(r1 == 0, 1.0, r1)))
     tl.store(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm + 0 + offs_dv[None, :], tl.where(mask_o, tl.broadcast_to(t5, [BLOCK_M, BLOCK_DV]), 0.0).to(ddot_ptr.dtype.element_ty), mask=mask_o)
