@@ -13,15 +13,10 @@ from flashlight.ir.evaluate import Evaluator
 from helpers import check_grads
 
 
-# Examples whose sink element the generated backward does not differentiate yet: their
-# gradients come from the reference VJP (still checked against float64 eager).
-REFERENCE_BACKWARD = {"sinks", "sinks_sliding_window"}
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_every_example_has_fp64_gradients_from_the_generated_kernel(name):
     mod = VARIANTS[name]
-    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16), generated=name not in REFERENCE_BACKWARD)
+    check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16))
 
 
 def test_biases_of_every_broadcast_shape_and_a_score_scalar():
