@@ -30,7 +30,7 @@ import torch
 
 from flashlight.examples import VARIANTS
 from flashlight.runtime import op as rt
-from flashlight.tune import backward_heuristic, head_block, heuristic, rows_config
+from flashlight.tune import head_block, rows_config
 
 from .configs import parse_config
 
@@ -77,14 +77,8 @@ def capture(mod, b: int, h: int, n: int, d: int):
 
 def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     """kernel name -> (JIT function, args, meta) of each launch of one forward and backward."""
-    r = c.region
-    block_d = max(head_block(r.DK), head_block(r.DV))
-    sparse = c.sparse
-    n_dots = len(r.dots)
-    cfg = {"fwd": heuristic(block_d, n_dots, sparse),
-           "rows": rows_config(head_block(r.DV)),
-           "dkdv": backward_heuristic(block_d, "dkdv", sparse, n_dots),
-           "dq": backward_heuristic(block_d, "dq", sparse, n_dots)}
+    cfg = {"fwd": c.default_config("fwd"), "rows": rows_config(head_block(c.region.DV)),
+           "dkdv": c.default_config("dkdv"), "dq": c.default_config("dq")}
     cfg.update(configs)
     fwd = Recorder(c.kernel.fn)
     c.kernel = fwd

@@ -83,21 +83,21 @@ class BackwardKernels:
         return drow, ddot
 
     def launch_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        from .op import block_stat_args, interpreting, launch_kernel
+        from .op import block_stat_args, launch_kernel
         r = self.region
         args = self.common(inputs, bufs, "dkdv", rowstats, *drows)
         args += block_stat_args(self.stats.dkdv, inputs, block_stats) + [*r.batch, r.M, r.N]
-        tma = descriptors.flag(self.stats.tma_dkdv, inputs, interpreting())
+        tma = descriptors.flag(self.stats.tma_dkdv, inputs)
         launch_kernel(self.dkdv, (cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch)), args,
                       dict(DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)), BLOCK_DK=head_block(r.DK),
                            BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(), **({} if tma is None else {"TMA": tma})),
                       inputs[0].device if tma else None)
 
     def launch_dq(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        from .op import block_stat_args, interpreting, launch_kernel, launch_meta
+        from .op import block_stat_args, launch_kernel, launch_meta
         r = self.region
         args = self.common(inputs, bufs, "dq", rowstats, *drows)
         args += block_stat_args(self.stats.dq, inputs, block_stats) + [*r.batch, r.M, r.N]
-        tma = descriptors.flag(self.stats.tma_dq, inputs, interpreting())
+        tma = descriptors.flag(self.stats.tma_dq, inputs)
         launch_kernel(self.dq, (cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)), args, launch_meta(r, cfg, tma=tma),
                       inputs[0].device if tma else None)

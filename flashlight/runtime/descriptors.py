@@ -39,10 +39,16 @@ def enabled(x: torch.Tensor, interpret: bool) -> bool:
     return interpret
 
 
-def flag(reqs: dict[int, set[int]], inputs: list[torch.Tensor], interpret: bool) -> bool | None:
+def flag(reqs: dict[int, set[int]], inputs: list[torch.Tensor]) -> bool | None:
     """A kernel's TMA constexpr for this call (``ready``); None for a kernel without descriptor
-    loads (no ``reqs``), which takes no such argument."""
-    return ready(reqs, inputs, interpret) if reqs else None
+    loads (no ``reqs``), which takes no such argument. On every launch: off by default, it
+    costs one environment lookup."""
+    if not reqs:
+        return None
+    if os.environ.get("FLASHLIGHT_TMA") != "1":
+        return False
+    from .op import interpreting
+    return ready(reqs, inputs, interpreting())
 
 
 def ready(reqs: dict[int, set[int]], inputs: list[torch.Tensor], interpret: bool) -> bool:

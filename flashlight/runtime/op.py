@@ -177,7 +177,7 @@ class CompiledRegion:
         rowstats = unwritten(inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32))
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
         if not (split and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)):
-            tma = descriptors.flag(self.tma, inputs, interpreting())
+            tma = descriptors.flag(self.tma, inputs)
             meta = self.metas.get((cfg, stats, tma))
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
                 meta = self.metas[cfg, stats, tma] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)),
@@ -210,8 +210,7 @@ class CompiledRegion:
             key = TuningCache.key(bucket(r.M, r.N, math.prod(r.batch)), torch.cuda.get_device_name(inputs[0].device))
             disk = TuningCache(self.path.parent, self.name if kernel == "fwd" else f"{self.bwd_name}_{kernel}")
             cfg = disk.load().get(key)
-            default = heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-                backward_heuristic(block_d, kernel, self.sparse, len(r.dots))
+            default = self.default_config(kernel)
             if cfg is None and self.max_autotune:
                 space = candidates(block_d, len(r.dots), r.M) if kernel == "fwd" else backward_candidates(block_d, kernel)
                 cfg = self.autotune(tune or (lambda c: self.launch(inputs, c)), space, default)
@@ -220,6 +219,14 @@ class CompiledRegion:
                 cfg = default
         self.tuned[mem_key] = cfg
         return cfg
+
+    def default_config(self, kernel: str = "fwd") -> Config:
+        """The GPU launch config of ``kernel`` without tuning (``tune.heuristic`` for the forward,
+        ``tune.backward_heuristic`` for ``"dkdv"`` / ``"dq"``)."""
+        r = self.region
+        block_d = max(head_block(r.DK), head_block(r.DV))
+        return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
+            backward_heuristic(block_d, kernel, self.sparse, len(r.dots))
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
