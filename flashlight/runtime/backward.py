@@ -5,8 +5,9 @@ tunes and shrinks them separately).
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +27,17 @@ class BackwardKernels:
     rows: object          # the @triton.jit functions
     dkdv: object
     dq: object
+    metas: dict = field(default_factory=dict)      # (kernel, config, TMA) -> (grid, launch_meta)
+
+    @functools.cached_property
+    def writes(self) -> dict[str | None, list[int]]:
+        """``plan.written`` per kernel (None: any), fixed with the plan: read on every launch."""
+        return {kernel: self.plan.written(kernel) for kernel in (None, "rows", "dkdv", "dq")}
+
+    @functools.cached_property
+    def ddot_shape(self) -> tuple[int, int, int]:
+        r = self.region
+        return math.prod(r.batch), r.M, self.stats.dot_grads.width
 
     def buffers(self, inputs: list[torch.Tensor], kernel: str | None = None) -> dict[int, torch.Tensor]:
         """What the kernels (``kernel`` alone: ``"dkdv"`` or ``"dq"``; default all) write each
@@ -33,7 +45,7 @@ class BackwardKernels:
         dtype, ``plan.stored``), fp32 zeros for atomic adds (``zeros_like(x)`` itself when x is
         fp32: no copy afterwards)."""
         bufs = {}
-        for i in self.plan.written(kernel):
+        for i in self.writes[kernel]:
             x = inputs[i]
             if i in self.plan.stored:
                 bufs[i] = unwritten(torch.empty_like(x))
@@ -62,11 +74,32 @@ class BackwardKernels:
         r, args = self.region, []
         for x in inputs:
             args += [x, *x.stride()]
-        for i in self.plan.written(kernel):
+        for i in self.writes[kernel]:
             args += [bufs[i], *bufs[i].stride()]
         if dout is not None:        # the row kernel: the forward's output and its gradient
             args += [out, *out.stride(), dout, *dout.stride()]
         return args + [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1], ddot, *ddot.stride()[:2]]
+
+    def meta(self, kernel: str, cfg: Config, tma: bool | None = None) -> tuple[tuple, dict]:
+        """The grid and the constexprs of ``kernel`` (``"rows"``, ``"dkdv"``, ``"dq"``) under
+        ``cfg``: computed once per config, like the forward's ``CompiledRegion.metas`` (host time
+        on every call)."""
+        key = (kernel, cfg, tma)
+        if key not in self.metas:
+            self.metas[key] = self.grid_and_meta(kernel, cfg, tma)
+        return self.metas[key]
+
+    def grid_and_meta(self, kernel: str, cfg: Config, tma: bool | None) -> tuple[tuple, dict]:
+        r = self.region
+        batch = math.prod(r.batch)
+        if kernel == "rows":
+            return (cdiv(r.M, cfg.BLOCK_M), batch), dict(DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV),
+                                                          num_warps=cfg.num_warps)
+        if kernel == "dkdv":        # over key blocks
+            return (cdiv(r.N, cfg.BLOCK_N), batch), dict(
+                DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)), BLOCK_DK=head_block(r.DK),
+                BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(), **({} if tma is None else {"TMA": tma}))
+        return (cdiv(r.M, cfg.BLOCK_M), batch), op.launch_meta(r, cfg, tma=tma)     # dQ: the forward's constexprs
 
     def launch_rows(self, inputs, rowstats, out, grad, bufs, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         """dL/dr_j: of the row sums into a tensor laid out like the row statistics (only the
@@ -74,30 +107,32 @@ class BackwardKernels:
         products into their own [batch, M, width] tensor (``codegen.backward.DotGrads``).
         ``out``: the forward's output, from which a plain softmax's product is recomputed
         (``ir.region.from_output``)."""
-        r, dg = self.region, self.stats.dot_grads
+        r = self.region
         drow = unwritten(torch.empty_like(rowstats))
-        ddot = unwritten(torch.empty((math.prod(r.batch), r.M, dg.width), dtype=dg.dtype, device=rowstats.device))
+        ddot = unwritten(torch.empty(self.ddot_shape, dtype=self.stats.dot_grads.dtype, device=rowstats.device))
         args = self.common(inputs, bufs, "rows", rowstats, drow, ddot, out=out, dout=grad) + [*r.batch, r.M]
-        self.rows[(cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch))](
-            *args, DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV), num_warps=cfg.num_warps)
+        grid, meta = self.meta("rows", cfg)
+        self.rows[grid](*args, **meta)
         return drow, ddot
 
     def launch_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        from .op import block_stat_args, launch_kernel
-        r = self.region
-        args = self.common(inputs, bufs, "dkdv", rowstats, *drows)
-        args += block_stat_args(self.stats.dkdv, inputs, block_stats) + [*r.batch, r.M, r.N]
-        tma = descriptors.flag(self.stats.tma_dkdv, inputs)
-        launch_kernel(self.dkdv, (cdiv(r.N, cfg.BLOCK_N), math.prod(r.batch)), args,
-                      dict(DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)), BLOCK_DK=head_block(r.DK),
-                           BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(), **({} if tma is None else {"TMA": tma})),
-                      inputs[0].device if tma else None)
+        self.launch_tile("dkdv", inputs, rowstats, drows, bufs, block_stats, cfg)
 
     def launch_dq(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        from .op import block_stat_args, launch_kernel, launch_meta
+        self.launch_tile("dq", inputs, rowstats, drows, bufs, block_stats, cfg)
+
+    def launch_tile(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
+        """One tile kernel: ``"dkdv"`` over key blocks, or ``"dq"`` over query blocks."""
+        s = self.stats
+        fn, stats, reqs = (self.dkdv, s.dkdv, s.tma_dkdv) if kernel == "dkdv" else (self.dq, s.dq, s.tma_dq)
         r = self.region
-        args = self.common(inputs, bufs, "dq", rowstats, *drows)
-        args += block_stat_args(self.stats.dq, inputs, block_stats) + [*r.batch, r.M, r.N]
-        tma = descriptors.flag(self.stats.tma_dq, inputs)
-        launch_kernel(self.dq, (cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)), args, launch_meta(r, cfg, tma=tma),
-                      inputs[0].device if tma else None)
+        args = self.common(inputs, bufs, kernel, rowstats, *drows)
+        args += op.block_stat_args(stats, inputs, block_stats) + [*r.batch, r.M, r.N]
+        tma = descriptors.flag(reqs, inputs)
+        grid, meta = self.meta(kernel, cfg, tma)
+        op.launch_kernel(fn, grid, args, meta, inputs[0].device if tma else None)
+
+
+# at the end: op imports this module (a function-level import would cost ~1 µs on every launch); its launch
+# helpers are looked up there per call, where tests spy on them
+from . import op  # noqa: E402

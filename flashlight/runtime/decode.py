@@ -93,7 +93,6 @@ class SplitKernels:
                stats: bool = True, block_stats: dict | None = None) -> bool:
         """Run split + combine into ``outs`` and ``rowstats`` (*batch, M, W; a placeholder when
         ``stats`` is off) if the plan splits the keys; False otherwise."""
-        from .op import kernel_args
         device = inputs[0].device
         key = (cfg, stats, device, FORCE_SPLITS)
         if key not in self.plans:     # per config: the split plan, grids and constexprs (host time on every call)
@@ -106,14 +105,13 @@ class SplitKernels:
         ws = unwritten(torch.empty(p.workspace, dtype=torch.float32, device=device))
         if stats:
             rowstats = rowstats.view(*p.row_shape, rowstats.shape[-1])     # packed rows: same memory order
-        args = [*kernel_args(r, self.stats, inputs, views, rowstats, block_stats), ws, p.splits, p.per]
+        args = [*op.kernel_args(r, self.stats, inputs, views, rowstats, block_stats), ws, p.splits, p.per]
         self.split[p.split_grid](*args, **p.meta)
         self.combine[p.combine_grid](*args, **p.meta)
         self.launches += 1
         return True
 
     def launch_plan(self, cfg, stats: bool, device: torch.device) -> LaunchPlan | None:
-        from .op import launch_meta
         r = self.region
         programs_b = math.prod(r.batch)
         grid_m = cdiv(r.M, cfg.BLOCK_M)
@@ -123,7 +121,7 @@ class SplitKernels:
         width = sum(1 if red.kind != "dot" else r.DV for red in r.reductions)
         return LaunchPlan(splits, per, (grid_m, programs_b, splits), (grid_m, programs_b),
                           (splits, programs_b, r.M, width), (*r.batch, r.M, r.DV), (*r.batch, r.M),
-                          launch_meta(r, cfg, stats))
+                          op.launch_meta(r, cfg, stats))
 
 
 def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | None:
@@ -140,3 +138,7 @@ def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | N
     return SplitKernels(region, group, fast_launch(getattr(module, f"{mod_name}_split"), interpret),
                         fast_launch(getattr(module, f"{mod_name}_combine"), interpret),
                         stats, source)
+
+
+# at the end: op imports this module (a function-level import would cost ~1 µs on every launch)
+from . import op  # noqa: E402

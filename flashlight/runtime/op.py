@@ -85,7 +85,7 @@ class CompiledRegion:
         if len(inputs) != len(spec):
             raise ValueError(f"{self.name}: expected {len(spec)} inputs, got {len(inputs)}")
         for x, s in zip(inputs, spec):
-            if tuple(x.shape) != s.shape:
+            if x.shape != s.shape:        # a torch.Size compares as the tuple it is
                 raise ValueError(f"{self.name}: input {s.name} has shape {tuple(x.shape)}, compiled for {s.shape}")
         devices = {x.device for x in inputs if x.dim() > 0}
         if len(devices) > 1:
@@ -94,7 +94,7 @@ class CompiledRegion:
     def uses_kernel(self, inputs: list[torch.Tensor]) -> bool:
         if compute_dtype(inputs) == torch.float64:
             return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path
-        return inputs[0].device.type == "cuda" or interpreting()
+        return inputs[0].is_cuda or interpreting()
 
     @functools.cached_property
     def rowstats_shape(self) -> tuple[int, ...]:
@@ -264,8 +264,7 @@ class CompiledRegion:
         k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
             return self.reference_backward(inputs, grad)
-        cuda = inputs[0].device.type == "cuda" and not interpreting()
-        rows = rows_config(head_block(self.region.DV)) if cuda else INTERPRETER
+        rows = self.gpu_rows_config if inputs[0].is_cuda and not interpreting() else INTERPRETER
         bufs = k.buffers(inputs)
         block_stats = {} if block_stats is None else block_stats    # shared by the two tile kernels
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
@@ -275,6 +274,11 @@ class CompiledRegion:
                                                                                block_stats, cfg))
         self.bwd_launches += 1
         return k.results(inputs, bufs)
+
+    @functools.cached_property
+    def gpu_rows_config(self) -> Config:
+        """The row-gradient kernel's GPU config (fixed per entry: read on every backward)."""
+        return rows_config(head_block(self.region.DV))
 
     def backward_kernels(self) -> BackwardKernels | None:
         """The generated backward, compiled at first use (~0.1 s of a first call that inference
@@ -429,7 +433,7 @@ def block_minmax(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, t
     xt = x if last else x.movedim(dim, -1)
     if nb * block != n:
         xt = torch.cat([xt, xt[..., -1:].expand(*xt.shape[:-1], nb * block - n)], -1)
-    lo, hi = torch.aminmax(xt.unflatten(-1, (nb, block)), dim=-1)
+    lo, hi = torch.aminmax(torch.unflatten(xt, -1, (nb, block)), dim=-1)     # not Tensor.unflatten's wrapper
     return (lo, hi) if last else (lo.movedim(-1, dim), hi.movedim(-1, dim))
 
 
