@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 
 from flashlight.examples import VARIANTS
+from flashlight.codegen.gluon import gluon_support
+from flashlight.runtime import gluon
 from flashlight.runtime import op as rt
 from flashlight.tune import head_block, rows_config
 
@@ -87,6 +89,9 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     rowstats = torch.empty(c.rowstats_shape, dtype=torch.float32)
     c.launch(inputs, cfg["fwd"])
     found = {"fwd": (fwd.fn, *fwd.launches[0], cfg["fwd"])}
+    if not gluon_support(c.region):       # the Hopper forward (runtime.gluon), with the same arguments
+        found["gfwd"] = (rt.compile_gluon(c), tuple(fwd.launches[0][0]), gluon.launch_meta(c.region, inputs, True),
+                         "gluon")
     k = c.backward_kernels()
     if k is None:
         return found
@@ -111,6 +116,8 @@ def compile_sm90(fn, args: tuple, meta: dict):
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **meta)
     options, signature, constexprs, attrs = fn._pack_args(backend, meta, bound, specialization, options)
+    if fn.is_gluon():       # Gluon's own source: its passes, not Triton's (no pipeliner, no layout inference)
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
@@ -132,10 +139,21 @@ def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
                 serialized="wgmma.mma_async instructions are serialized" in log)
 
 
+def sass_text(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin: all of it (``triton.tools.disasm.get_sass`` drops the
+    default partition of a warp-specialised kernel)."""
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "k.cubin")
+        path.write_bytes(cubin)
+        tool = Path(get_ptxas(90).path).with_name("cuobjdump")
+        return subprocess.run([str(tool), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+
+
 def sass_counts(cubin: bytes) -> Counter:
-    from triton.tools.disasm import get_sass
     counts: Counter = Counter()
-    for line in get_sass(cubin).splitlines():
+    for line in sass_text(cubin).splitlines():
         m = re.match(r"\s*\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)     # "ctrl  [@P0] OP ..."
         if m:
             op = m.group(1)
@@ -153,7 +171,7 @@ def main() -> None:
     p.add_argument("--h", type=int, default=16)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--kernels", default="fwd,rows,dkdv,dq")
+    p.add_argument("--kernels", default="fwd,gfwd,rows,dkdv,dq", help="gfwd: the Gluon forward, where it applies")
     p.add_argument("--config", default="", help="kernel=config pairs, e.g. fwd=128x128w8s3,dkdv=32x64w4s3")
     p.add_argument("--tma", type=int, default=1, help="the TMA constexpr of kernels with descriptor loads (0: off)")
     p.add_argument("--dump", help="write each kernel's Triton source, PTX and SASS here")
@@ -178,14 +196,13 @@ def main() -> None:
             print(f"{name:14s} {kernel:5s} {tag:15s} {secs:5.1f} {use['regs']:4d} {use['spill_st']:4d}/{use['spill_ld']:<4d} "
                   f"{ck.metadata.shared:6d} {'SERIAL' if use['serialized'] else 'async':6s} {ops}", flush=True)
             if args.dump:
-                from triton.tools.disasm import get_sass
                 d = Path(args.dump)
                 d.mkdir(parents=True, exist_ok=True)
                 stem = d / f"{name}_d{args.d}_{kernel}_{tag}"
                 stem.with_suffix(".ptx").write_text(ck.asm["ptx"])
-                stem.with_suffix(".sass").write_text(get_sass(ck.asm["cubin"]))
+                stem.with_suffix(".sass").write_text(sass_text(ck.asm["cubin"]))
                 stem.with_suffix(".ttgir").write_text(ck.asm["ttgir"])
-                src = c.source if kernel == "fwd" else c.bwd_source
+                src = c.source if kernel == "fwd" else fn.src if kernel == "gfwd" else c.bwd_source
                 stem.with_suffix(".py").write_text(src)
 
 

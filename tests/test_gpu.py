@@ -83,3 +83,64 @@ def test_split_kv_decoding_with_key_padding():
     out = torch.compile(mod.attention, backend="flashlight")(*inputs)
     ref = mod.attention(*[to64(x) if x.is_floating_point() else x for x in inputs]).nan_to_num(0)
     assert rel_error(out, ref) < FWD_TOL
+
+
+GLUON_CASES = [("vanilla", 128, {}), ("causal", 64, {}), ("causal", 128, {}), ("sliding_window", 128, {}),
+               ("prefix_lm", 64, {}), ("document_mask", 128, {}), ("alibi", 128, {}), ("softcap", 64, {}),
+               ("gqa", 128, {}), ("gated", 64, {}), ("key_padding", 64, {"lengths": [0, 300]})]
+
+
+@pytest.mark.parametrize("name,D,kw", GLUON_CASES)
+def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
+    """The Hopper Gluon forward (codegen/gluon.py) where the region and layouts qualify: N a
+    multiple of its 128-key blocks (M = N = 384: three key blocks per row, masked and mask-free
+    ones), a fully padded batch row (key padding: the output is 0 there), GQA's shared heads and
+    an epilogue (gated: the backward reads the stored product). Its output against float64 and
+    the Triton kernel's, and the generated backward's gradients from its row statistics."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Gluon kernels are for sm_90")
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "all")      # also where the Triton kernel is the default
+    mod = VARIANTS[name]
+    torch.manual_seed(0)
+    inputs = [x.cuda() for x in mod.make_inputs(B=2, H=4, M=384, D=D, dtype=torch.bfloat16, **kw)]
+    leaves = [x.requires_grad_() for x in inputs if x.is_floating_point()]
+    fn = torch.compile(mod.attention, backend="flashlight", dynamic=False)
+    out = fn(*inputs)
+    assert any(c.gfwd for c in REGISTRY.values()), "the Gluon kernel did not run"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_in = [to64(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    ref = mod.attention(*ref_in)
+    ref_grads = torch.autograd.grad(ref, [x for x in ref_in if x.is_floating_point()], to64(dout).nan_to_num(0))
+    ref = ref.nan_to_num(0)       # a fully masked row: 0, FlexAttention's convention and ours
+    assert rel_error(out, ref) < FWD_TOL
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert rel_error(g, r.nan_to_num(0)) < GRAD_TOL, (i, rel_error(g, r))
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "0")
+    with torch.no_grad():
+        triton_out = fn(*inputs)
+    assert rel_error(out, triton_out.double()) < FWD_TOL
+
+
+def test_gluon_forward_ragged_queries_and_fallbacks(monkeypatch):
+    """M = 200 queries (the second program's second warpgroup has no rows) through the Gluon
+    kernel; a ragged N (300 keys) and BSHD-strided K / V (cross attention) fall back to Triton."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Gluon kernels are for sm_90")
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "all")
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 200, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 4, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mod = VARIANTS["vanilla"]
+    REGISTRY.clear()
+    with torch.no_grad():
+        out = torch.compile(mod.attention, backend="flashlight", dynamic=False)(q, k, v)
+    assert rel_error(out, mod.attention(*(to64(x) for x in (q, k, v)))) < FWD_TOL
+    assert any(c.gfwd for c in REGISTRY.values())
+    for name, kw in (("vanilla", dict(M=300)), ("cross_attention", dict(M=128, N=256))):
+        REGISTRY.clear()
+        inputs = [x.cuda() for x in VARIANTS[name].make_inputs(B=2, H=4, D=64, dtype=torch.bfloat16, **kw)]
+        with torch.no_grad():
+            out = torch.compile(VARIANTS[name].attention, backend="flashlight", dynamic=False)(*inputs)
+        assert rel_error(out, VARIANTS[name].attention(*(to64(x) for x in inputs))) < FWD_TOL
+        assert not any(c.gfwd for c in REGISTRY.values()), name

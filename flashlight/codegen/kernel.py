@@ -302,6 +302,11 @@ class KernelWriter:
             else:
                 out.lines.append(f"r{j} = r{j} + {self.once(val)}")
 
+    def arange(self, n: str, axis: str) -> str:
+        """A range in the block scan: over the scanned blocks (``axis`` "rows") or over a
+        block's statistics entries ("cols"). A Gluon kernel gives each its layout."""
+        return f"tl.arange(0, {n})"
+
     def bounds(self, blk: str) -> str:
         """A loop bound (in key blocks); the split-KV kernel clamps it to its share of N."""
         return blk
@@ -379,7 +384,7 @@ class KernelWriter:
                         ("if not EVEN_N:", [("N // BLOCK_N", "tl.cdiv(N, BLOCK_N)", False)])]
             return [("", [("0", "tl.cdiv(N, BLOCK_N)", False)])]
         scan: list[str] = []
-        iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh)
+        iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh, arange=lambda n: self.arange(n, "cols"))
         live = iw.live(dead)
         may_t, may_f = iw.truth(keep)
         f = self.em.fresh
@@ -388,7 +393,7 @@ class KernelWriter:
         full_v = f"({may_f} == 0) & blk_live & (n_hi - n_lo == BLOCK_N - 1)" if may_f != "True" else "blk < 0"
         self.outer.lines += [
             f"# block sparsity: skip key blocks where {short_expr(dead)}",
-            "blk = tl.arange(0, SCAN_BLOCKS)",
+            f"blk = {self.arange('SCAN_BLOCKS', 'rows')}",
             "blk_valid = blk < tl.cdiv(N, BLOCK_N)",
             "n_lo = blk * BLOCK_N",
             "n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",

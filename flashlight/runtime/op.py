@@ -25,6 +25,7 @@ from triton.runtime.errors import OutOfResources
 
 from .._compat import fast_launch, with_scratch
 from ..codegen import CodegenError, generate, generate_backward
+from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
 from ..codegen.gradients import grad_plan
 from ..ir import Region
 from ..ir.evaluate import compute_dtype, evaluate, evaluate_all, evaluate_with_rowstats
@@ -32,7 +33,7 @@ from ..ir.region import from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, rows_config, smaller)
-from . import decode, descriptors
+from . import decode, descriptors, gluon
 from .backward import BackwardKernels
 from .buffers import unwritten
 from .cache import load_module, source_hash
@@ -67,6 +68,7 @@ class CompiledRegion:
     bwd_launches: int = 0
     split: object = None             # decode.SplitKernels once compiled (False: not splittable)
     metas: dict = field(default_factory=dict)       # (config, stats, TMA) -> (grid, launch_meta)
+    gfwd: object = None              # the Gluon forward (runtime.gluon) once compiled; False: none
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
 
     @property
@@ -176,7 +178,11 @@ class CompiledRegion:
         outs = self.new_outputs(inputs[0])
         rowstats = unwritten(inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32))
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
-        if not (split and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)):
+        if split and split.launch(inputs, outs, rowstats, cfg, stats, block_stats):
+            pass
+        elif self.gluon_kernel(inputs) is not None:     # Hopper: warp-specialised, whatever ``cfg`` says
+            gluon.launch(self.gfwd, r, kernel_args(r, self.stats, inputs, outs, rowstats, block_stats), inputs, stats)
+        else:                                           # the Triton kernel
             tma = descriptors.flag(self.tma, inputs)
             meta = self.metas.get((cfg, stats, tma))
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
@@ -186,6 +192,23 @@ class CompiledRegion:
                           meta[1], inputs[0].device if tma else None)
         self.launches += 1
         return outs, (rowstats if stats else None)
+
+    def gluon_kernel(self, inputs: list[torch.Tensor]):
+        """The Gluon forward if this launch may run it (``runtime.gluon.usable``), else None;
+        compiled at the first launch that may."""
+        mode = gluon.mode()
+        if self.gfwd is False or mode == "0" or not inputs[0].is_cuda or interpreting() \
+                or (mode != "all" and self.gluon_slower) or not gluon.hopper(inputs[0].device) \
+                or not gluon.usable(self.region, inputs):
+            return None
+        if self.gfwd is None:
+            self.gfwd = compile_gluon(self) or False
+        return self.gfwd or None
+
+    @functools.cached_property
+    def gluon_slower(self) -> bool:
+        """Did the Triton kernel measure faster for regions like this one (``gluon_pays``)?"""
+        return bool(gluon_pays(self.region))
 
     def split_kernels(self):
         """The split-KV kernels (compiled at first use; None when the region needs several passes)."""
@@ -453,6 +476,26 @@ def compile_region(region: Region) -> CompiledRegion:
                            sparse=useful(dead_predicate(region, region.passes()[0])), tma=tma)
         REGISTRY[key] = c
     return REGISTRY[key]
+
+
+def compile_gluon(c: CompiledRegion):
+    """The region's Gluon forward kernel (``codegen.gluon``), or None where it has none. Its
+    block scan reads the same statistics as the Triton kernel's (``c.stats``: the generators
+    derive both from the region the same way; checked here)."""
+    if gluon_support(c.region):
+        return None
+    placeholder = "fl_gfwd"
+    try:
+        source, stats = generate_gluon(c.region, placeholder)
+        if stats != c.stats:
+            raise CodegenError("the Gluon kernel's block statistics differ from the Triton kernel's")
+    except CodegenError:
+        if os.environ.get("FLASHLIGHT_STRICT") == "1":
+            raise
+        return None         # the Triton kernel serves: a fused region never fails for want of Gluon
+    name = f"fl_gfwd_{source_hash(source)}"
+    module, _ = load_module(name, source.replace(placeholder, name))
+    return getattr(module, name)
 
 
 def compile_backward(c: CompiledRegion) -> None:

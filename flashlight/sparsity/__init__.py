@@ -143,11 +143,14 @@ EXACT = {"add": "{0} + {1}", "sub": "{0} - {1}", "neg": "-{0}", "mul": "{0} * {1
 class IntervalWriter:
     """Emits scalar Triton code for the interval of an expression over one (M, N) block."""
 
-    def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh, vector: str = "n"):
+    def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh, vector: str = "n",
+                 arange=lambda n: f"tl.arange(0, {n})"):
         """``vector``: the var whose blocks the code scans as a vector (the forward and dQ: key
-        blocks ``blk``; dK/dV: query blocks ``pid_m``); the other var's block is a scalar."""
+        blocks ``blk``; dK/dV: query blocks ``pid_m``); the other var's block is a scalar.
+        ``arange(n)``: the code of a range over a block's statistics entries (along axis 1 of
+        the scanned blocks; a Gluon kernel gives it a layout)."""
         self.r, self.stats, self.lines, self.fresh = region, stats, lines, fresh
-        self.vector = vector
+        self.vector, self.arange = vector, arange
         self.memo: dict[Expr, tuple[str, str] | None] = {}
 
     def live(self, dead: Expr) -> str:
@@ -270,7 +273,7 @@ class IntervalWriter:
         # the block's STAT_BLOCK entries, clamped to the last one: a repeat is neutral for min and
         # max, and keeps blocks past the end (masked later) in bounds
         vec = var == self.vector
-        sub = f"tl.arange(0, {block} // {STAT_BLOCK})"
+        sub = self.arange(f"{block} // {STAT_BLOCK}")
         first = f"{blk}[:, None] * ({block} // {STAT_BLOCK}) + {sub}[None, :]" if vec else \
             f"{blk} * ({block} // {STAT_BLOCK}) + {sub}"
         entry = self._let(f"tl.minimum({first}, ({size} - 1) // {STAT_BLOCK})")

@@ -1,0 +1,422 @@
+"""Hopper forward kernels in Gluon (Triton's lower-level dialect), FA3's schedule, for regions of
+one online softmax: ``P = softmax(E)``, ``out = f(P @ V)``.
+
+Triton 3.6 cannot overlap a softmax with the matrix products on sm_90 (docs/notes.md, session 9:
+each warpgroup waits for its QK^T, then runs the softmax with the tensor cores idle). Gluon has
+explicit warpgroups, barriers and async wgmma, so each program here is warp-specialised:
+
+- the default partition (4 warps) issues the TMA copies of the live K and V blocks into a ring of
+  ``STAGES`` shared buffers, each with a ready and an empty mbarrier;
+- two compute warpgroups own 64 of the program's 128 query rows each and never wait for each
+  other, so one's softmax runs while the other's products use the tensor cores;
+- inside a warpgroup, block j's QK^T and block j-1's P @ V are in flight together, and block j's
+  softmax runs between the two waits.
+
+Everything program-specific comes from the IR as in ``kernel.KernelWriter`` (whose sparsity
+scan, expression emitter and statistics layout this reuses): the score program E and the
+epilogue f are emitted by ``emit.Emitter`` into Gluon (``gluon_tl`` is the ``tl`` they call),
+the block scan's live range and mask-free run bound the key loop, and the row statistics are
+those the generated backward reads. ``gluon_support`` says which regions qualify; the runtime
+(``runtime.gluon``) checks the inputs' layouts per call and otherwise runs the Triton kernel.
+On the H200, hand-written in this form (``benchmarks/gluon_forward.py``), it ran full attention
+at D=128 1.28x faster than the Triton kernel and 1.05x cuDNN's (docs/notes.md, session 10).
+"""
+from __future__ import annotations
+
+from ..ir import Region, free_vars, refs, walk
+from ..ir.region import rowstat_columns
+from ..sparsity import full_body
+from .emit import TRITON, Block, CodegenError, Ctx
+from .kernel import NEG_INF, KernelWriter, batch_index, out_offsets, positive_scale
+
+BLOCK_M = 128        # query rows per program: two warpgroups of 64
+WG_ROWS = 64
+BLOCK_N = 128
+STAGES = 2           # K/V ring depth (3 measured no faster at D=128, and needs 229 KB of shared memory)
+MAXNREG = 168        # 12 warps x 168 = 64.5 K registers: compute warpgroups get 240, the loader 24
+HEAD_DIMS = (64, 128)
+
+# IR ops whose emitted code uses only names Gluon (with ``gluon_tl``) has
+GLUON_OPS = set(TRITON) - {"rand16", "sum_dv"} | {"var", "const", "red", "dot", "load", "tile"}
+
+
+
+def q_ctx(w: int) -> Ctx:
+    """Warpgroup ``w``'s Q rows, which the kernel loads before the fork (in a partition the
+    compiler no longer knows the arguments' alignment, and loads one element at a time)."""
+    return Ctx(f"gq{w}", vars={"m": f"gq{w}_m[:, None]", "dk": "gq_k[None, :]"},
+               masks={"m": f"gq{w}_mask_m[:, None]", "dk": "gq_mask_k[None, :]"})
+
+
+# a compute warpgroup's tiles: ``offs_m`` and friends are the score tile's rows and the key
+# block's columns; the epilogue rebinds them to the output tile's
+GCTX_S = Ctx("s", vars={"m": "offs_m[:, None]", "n": "offs_n[None, :]"},
+             masks={"m": "mask_m[:, None]", "n": "mask_n[None, :]"}, key_start="start_n")
+GCTX_O = Ctx("o", vars={"m": "offs_m[:, None]", "dv": "offs_dv[None, :]"},
+             masks={"m": "mask_m[:, None]", "dv": "mask_dv[None, :]"})
+
+HELPERS = '''
+@gluon.jit
+def fl_floordiv(a, b):
+    # Python floor division for integers of any sign (// truncates)
+    q = a // b
+    return q - tl.where((a % b != 0) & ((a < 0) != (b < 0)), 1, 0)
+
+
+@gluon.jit
+def fl_mod(a, b):
+    # Python remainder: takes the sign of the divisor
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+'''
+
+
+def bulk_operand(e, n: str, d: str) -> bool:
+    """Is ``e`` a bare load whose last two indices are the vars ``n`` and ``d`` and whose others
+    depend on batch indices only (one TMA copy per block)?"""
+    if e.op != "load":
+        return False
+    idx = e.args[1]
+    return (len(idx) >= 2 and idx[-1].op == "var" and idx[-1].args[0] == d and idx[-2].op == "var"
+            and idx[-2].args[0] == n and all(not (free_vars(x) - {v for v in free_vars(x) if v.startswith("b")})
+                                             for x in idx[:-2]))
+
+
+def gluon_support(region: Region) -> str:
+    """Why ``region`` has no Gluon forward ('' when it has one): one pass of a row max, a sum
+    and one P @ V product of the same exponentials (a plain softmax), one QK^T, head dims of 64
+    or 128, K and V read as whole [key, head] rows, and only ops Gluon has."""
+    r = region
+    if r.DK not in HEAD_DIMS or r.DV not in HEAD_DIMS:
+        return f"head dims {r.DK}, {r.DV} (Gluon kernels: {HEAD_DIMS})"
+    if len(r.dots) != 1 or len(r.passes()) != 1 or r.rows or r.out_index is not None:
+        return "not one score tile in one pass with a plain output"
+    kinds = [red.kind for red in r.reductions]
+    if kinds != ["max", "sum", "dot"]:
+        return f"reductions {kinds} (a softmax's max, sum, P @ V)"
+    mx, sm, pv = r.reductions
+    if not mx.base2 or sm.online != 0 or pv.online != 0 or sm.body != pv.body or any(
+            red.extra is not None for red in r.reductions):
+        return "not one online softmax feeding its P @ V"
+    if not bulk_operand(r.dots[0].k, "n", "dk") or not bulk_operand(pv.v, "n", "dv"):
+        return "K or V is not read as whole rows"
+    if not {"m", "dk"} <= free_vars(r.dots[0].q):
+        return "Q does not vary along its rows and head"
+    if "dot" not in {x.op for x in walk(r.out)} and 2 not in refs(r.out, "red"):
+        return "the output is not built from the product"
+    for e in (mx.body, sm.body, r.out, r.dots[0].q):
+        bad = {x.op for x in walk(e)} - GLUON_OPS
+        if bad:
+            return f"ops without a Gluon lowering: {sorted(bad)}"
+    return ""
+
+
+# Score ops beyond the softmax's own that make it the longer of the two halves the schedule
+# overlaps (softcap's tanh: 0.89-0.99x the Triton kernel at D=128, session 10)
+SLOW_OPS = {"exp", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "sin", "cos", "pow"}
+
+
+def gluon_pays(region: Region) -> str:
+    """Why the Triton kernel is the faster choice for ``region`` ('' when the Gluon one is),
+    from session 10's A/B on the H200 (docs/notes.md): Gluon ran 1.10-1.29x faster at D=128
+    for full and causal attention, but 0.89x at D=64 (the products are too short to hide the
+    softmax behind); loads of score tiles inside a partition go one element at a time (the
+    partition's arguments no longer carry their alignment: the document mask ran 0.41-0.70x);
+    and a score program with more transcendentals than the softmax's exp2 keeps the tensor
+    cores waiting either way (softcap 0.89-0.99x)."""
+    r = region
+    if (r.DK, r.DV) != (128, 128):
+        return f"head dims {r.DK}, {r.DV}: the Triton kernel is as fast below 128"
+    bodies = [red.body for red in r.reductions[:2]]
+    if any(free_vars(x) & {"m", "n"} for b in bodies for x in walk(b) if x.op == "load"):
+        return "score tiles loaded inside a partition"
+    slow = {x.op for b in bodies for x in walk(b)} & SLOW_OPS
+    if slow:
+        return f"score ops {sorted(slow)} make the softmax the longer half"
+    return ""
+
+
+class GluonWriter(KernelWriter):
+    """The Gluon module of one region (``generate_gluon``): a loader, a compute warpgroup body
+    (emitted once, instantiated for warpgroups 0 and 1) and the kernel, which runs the block scan
+    and forks the partitions. The kernel's arguments are the Triton forward's
+    (``KernelWriter.signature``) plus the K and V tensor descriptors, so the runtime's
+    ``kernel_args`` serve both."""
+    split_dv = False
+    bulk_loads = False
+
+    def __init__(self, region: Region, name: str):
+        super().__init__(region, name)
+        self.compute = Block()           # the compute warpgroup's prologue (hoisted invariants)
+
+    def arange(self, n: str, axis: str) -> str:
+        return f"tl.arange(0, {n}, layout={'SCAN_ROWS' if axis == 'rows' else 'SCAN_COLS'})"
+
+    # -- the kernel: batch indices, block scan, buffers, partitions ----------------------------
+    def scan(self) -> None:
+        """The kernel's first lines: batch indices, the block scan of ``KernelWriter.segments``
+        (scalar bounds: live blocks [lo, hi), mask-free run [f0, f1)) and the rows where this
+        program's K and V start in their descriptors."""
+        r, out = self.r, self.outer
+        out.lines += ["pid_m = tl.program_id(0)", *batch_index(len(r.batch)),
+                      "m_lo = pid_m * BLOCK_M", "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1",
+                      "SCAN2: tl.constexpr = tl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])",
+                      "SCAN_ROWS: tl.constexpr = tl.SliceLayout(1, SCAN2)",
+                      "SCAN_COLS: tl.constexpr = tl.SliceLayout(0, SCAN2)"]
+        loops = self.segments([0, 1, 2])
+        segs = loops[0][1]
+        if len(segs) == 3:          # a useful mask: masked head, mask-free middle, masked tail
+            (lo, f0, _), (_, f1, _), (_, hi, _) = segs
+        elif len(loops) == 1:       # every block masked
+            lo, hi = segs[0][:2]
+            f0 = f1 = lo
+        else:                       # every block mask-free but a ragged last one
+            lo, f0, f1, hi = "0", "0", "N // BLOCK_N", "tl.cdiv(N, BLOCK_N)"
+        for line in out.lines:
+            if "tl.full(" in line or "tl.zeros(" in line or ("tl.arange(" in line and "layout=" not in line):
+                raise CodegenError(f"scan code without a Gluon layout: {line}")
+        k, v = r.dots[0].k, r.reductions[2].v
+        # (TMA coordinates are 32-bit: the runtime keeps every descriptor under 2^31 rows)
+        out.lines += [f"k_row = (({self.row_base(k)}) // in{k.args[0]}_s{len(k.args[1]) - 2}).to(tl.int32)",
+                      f"v_row = (({self.row_base(v)}) // in{v.args[0]}_s{len(v.args[1]) - 2}).to(tl.int32)",
+                      f"lo = {lo}", f"hi = tl.maximum({hi}, lo)", f"f0 = {f0}", f"f1 = {f1}",
+                      "stats = tl.to_tensor(STATS)"]
+
+    def fork(self) -> None:
+        """Shared buffers (Q loaded into them), barriers and the three partitions."""
+        em, out = self.em, self.outer
+        em.loop_reds = set()
+        out.lines += [
+            f"q_smem = tl.allocate_shared_memory(k_desc.dtype, [2, {WG_ROWS}, DK], k_desc.layout)  # Q's layout is K's",
+            "Q_LAYOUT: tl.constexpr = tl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])",
+            "gq_k = tl.arange(0, DK, layout=tl.SliceLayout(0, Q_LAYOUT))",
+            "gq_mask_k = gq_k < DK"]
+        qe = self.r.dots[0].q
+        for w in (0, 1):
+            out.lines += [f"gq{w}_m = pid_m * {BLOCK_M} + {w * WG_ROWS} + tl.arange(0, {WG_ROWS}, "
+                          "layout=tl.SliceLayout(1, Q_LAYOUT))", f"gq{w}_mask_m = gq{w}_m < M"]
+            # a bare load keeps its storage type: no round trip through fp32
+            q = em.load(qe, q_ctx(w), out) if qe.op == "load" else em.emit(qe, q_ctx(w), out)
+            out.lines.append(f"q_smem.index({w}).store({q}.to(k_desc.dtype))")
+        out.lines += [
+            "fence_async_shared()  # generic-proxy stores, then wgmma reads (after the fork's barrier)",
+            "k_smem = tl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, DK], k_desc.layout)",
+            "v_smem = tl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, DV], v_desc.layout)",
+            *[f"{b} = tl.allocate_shared_memory(tl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
+              for b in ("k_ready", "k_empty", "v_ready", "v_empty")],
+            "for i in tl.static_range(STAGES):",
+            "    mbarrier.init(k_ready.index(i), count=1)",
+            "    mbarrier.init(v_ready.index(i), count=1)",
+            "    mbarrier.init(k_empty.index(i), count=2)  # both compute warpgroups release a buffer",
+            "    mbarrier.init(v_empty.index(i), count=2)",
+            f"compute_args = ({', '.join(self.compute_params())})",
+            "# the loader is the default partition: triton 3.6 verifies a reduction as it is built, and",
+            "# the default partition's ops are built before it has a warp count, so reductions must be",
+            "# in a worker; it keeps what registers the compute warpgroups leave (MAXNREG per thread)",
+            "tl.warp_specialize([",
+            f"    ({self.name}_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, "
+            "k_row, v_row, lo, hi)),",
+            f"    ({self.name}_compute0, compute_args),",
+            f"    ({self.name}_compute1, compute_args),",
+            "], [4, 4], [240, 240])",
+        ]
+
+    def row_base(self, e) -> str:
+        """Element offset of a bulk operand's batch indices (its rows start there)."""
+        i, idx = e.args
+        terms = [f"{self.em.emit(x, GCTX_S, self.outer)} * in{i}_s{d}" for d, x in enumerate(idx[:-2])
+                 if not (x.op == "const" and x.args[0] == 0)]
+        return " + ".join(terms) or "0"
+
+    def compute_params(self) -> list[str]:
+        """What a compute warpgroup reads: every pointer, stride and size of the signature, the
+        batch indices, the loop bounds, the buffers and barriers. (Constexprs passed through
+        ``warp_specialize`` arrive as tensors in triton 3.6: the warpgroup takes its block sizes
+        from the buffers' shapes and ``STATS`` as a value.)"""
+        sig = [a for a in self.signature() if ":" not in a]
+        nb = len(self.r.batch)
+        return [*sig, "pid_m", "pid_b", *[f"b{d}" for d in range(nb)], "lo", "hi", "f0", "f1", "stats",
+                "q_smem", "k_smem", "v_smem", "k_ready", "k_empty", "v_ready", "v_empty"]
+
+    # -- one compute warpgroup ---------------------------------------------------------------
+    def softmax_block(self, full: bool) -> list[str]:
+        """One key block's online softmax on ``qk0`` (the block's scores): P (fp32), the new row
+        max and sum, and ``alpha``, the accumulator's rescale. Mask-free blocks use the bodies'
+        mask-free forms (``sparsity.full_body``), others the masked forms and the bounds mask."""
+        r, em = self.r, self.em
+        loop = Block(parent=self.compute)
+        mx, sm, _ = r.reductions
+        em.dot_names = {0: "qk0"}
+        em.red_names = {}
+        em.loop_reds = {0, 1, 2}
+        mbody, sbody = (full_body(mx.body), full_body(sm.body)) if full else (mx.body, sm.body)
+        inner, scale = positive_scale(mbody)
+        e = em.emit(inner, GCTX_S, loop)
+        if not full:
+            e = f"tl.where(mask_n[None, :], {e}, {NEG_INF})"
+        row_max = f"tl.max({e}, 1)" + (f" * {scale!r}" if scale != 1.0 else "")
+        loop.lines += [f"m_new = tl.maximum(m_i, {row_max})",
+                       f"m_safe = tl.where(m_new == {NEG_INF}, 0.0, m_new)  # exp(-inf - 0) = 0, not NaN",
+                       "alpha = tl.exp2(m_i - m_safe)"]
+        em.red_names[0] = "m_safe[:, None]"
+        p = em.emit(sbody, GCTX_S, loop)
+        if not full:
+            p = f"tl.where(mask_n[None, :], {p}, 0.0)"
+        loop.lines += [f"p_f32 = {p}", "l_i = l_i * alpha + tl.sum(p_f32, 1)", "m_i = m_new"]
+        return loop.lines
+
+    def block_code(self, indent: str, always_masked: bool = False) -> list[str]:
+        """The softmax of block ``j`` (its scores in ``s``): the mask-free form inside [f0, f1)."""
+        head = ["start_n = j * BLOCK_N",
+                "offs_n = start_n + tl.arange(0, BLOCK_N, layout=tl.SliceLayout(0, S_LAYOUT))",
+                "mask_n = offs_n < N", "qk0 = s"]
+        if always_masked:
+            body = head + self.softmax_block(False)
+        else:
+            body = head + ["if (j >= f0) & (j < f1):"] + ["    " + x for x in self.softmax_block(True)] + \
+                ["else:"] + ["    " + x for x in self.softmax_block(False)]
+        return [indent + x for x in body]
+
+    def compute_function(self) -> str:
+        r, em = self.r, self.em
+        pre = self.compute.lines
+        pre += [
+            "STAGES: tl.constexpr = k_smem.type.shape[0]",
+            "BLOCK_N: tl.constexpr = k_smem.type.shape[1]",
+            "DK: tl.constexpr = k_smem.type.shape[2]",
+            "DV: tl.constexpr = v_smem.type.shape[2]",
+            f"S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "instr_shape=[16, BLOCK_N, 16])",
+            "O_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "instr_shape=[16, DV, 16])",
+            "P_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)",
+            f"m0 = pid_m * {BLOCK_M} + W * {WG_ROWS}",
+            "q = q_smem.index(W)  # stored by the kernel before the fork",
+            f"offs_m = m0 + tl.arange(0, {WG_ROWS}, layout=tl.SliceLayout(1, S_LAYOUT))",
+            "mask_m = offs_m < M",
+            f"zero_s = tl.zeros([{WG_ROWS}, BLOCK_N], tl.float32, S_LAYOUT)",
+            f"acc = tl.zeros([{WG_ROWS}, DV], tl.float32, O_LAYOUT)",
+            f"m_i = tl.full([{WG_ROWS}], {NEG_INF}, tl.float32, tl.SliceLayout(1, S_LAYOUT))",
+            f"l_i = tl.zeros([{WG_ROWS}], tl.float32, tl.SliceLayout(1, S_LAYOUT))",
+            "alpha = l_i",
+        ]
+        first = self.block_code("    ", always_masked=True)
+        steady = self.block_code("        ")
+        loop = [
+            "if hi > lo:",
+            "    j = lo",
+            "    mbarrier.wait(k_ready.index(0), 0)",
+            "    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)",
+            "    s = warpgroup_mma_wait(0, deps=(s, ))",
+            "    mbarrier.arrive(k_empty.index(0), count=1)",
+            *first,
+            "    p = tl.convert_layout(p_f32.to(v_smem.dtype), P_LAYOUT)",
+            "    for i in range(1, hi - lo):",
+            "        j = lo + i",
+            "        st = i % STAGES",
+            "        prev = (i - 1) % STAGES",
+            "        mbarrier.wait(k_ready.index(st), (i // STAGES) & 1)",
+            "        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)",
+            "        acc = acc * tl.convert_layout(alpha, tl.SliceLayout(1, O_LAYOUT))[:, None]",
+            "        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)",
+            "        acc = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)",
+            "        s = warpgroup_mma_wait(1, deps=(s, ))  # QK^T done, P @ V still in flight",
+            "        mbarrier.arrive(k_empty.index(st), count=1)",
+            *steady,
+            "        acc, p = warpgroup_mma_wait(0, deps=(acc, p))",
+            "        mbarrier.arrive(v_empty.index(prev), count=1)",
+            "        p = tl.convert_layout(p_f32.to(v_smem.dtype), P_LAYOUT)",
+            "    last = (hi - lo - 1) % STAGES",
+            "    acc = acc * tl.convert_layout(alpha, tl.SliceLayout(1, O_LAYOUT))[:, None]",
+            "    mbarrier.wait(v_ready.index(last), ((hi - lo - 1) // STAGES) & 1)",
+            "    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)",
+            "    acc, p = warpgroup_mma_wait(0, deps=(acc, p))",
+            "    mbarrier.arrive(v_empty.index(last), count=1)",
+        ]
+        epi = Block()
+        cols = rowstat_columns(r)[0]
+        nd = len(r.result_shape)
+        # the output is the runtime's own contiguous [*batch, M, DV] tensor, which the partition's
+        # arguments no longer say: its last stride is 1 and the others multiples of DV
+        epi.lines += [f"out_s{nd - 1} = 1"] + [f"out_s{d} = tl.multiple_of(out_s{d}, 16)" for d in range(nd - 1)]
+        epi.lines += [
+            "m_safe = tl.where(m_i == float(\"-inf\"), 0.0, m_i)",
+            "# statistics for the backward (see rowstat_columns)",
+            "if stats:",
+            f"    tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + {cols[0]}, m_safe, mask=mask_m)",
+            f"    tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m * rowstats_sm + {cols[1]}, l_i, mask=mask_m)",
+            "ROW_O: tl.constexpr = tl.SliceLayout(1, O_LAYOUT)",
+            f"offs_m = m0 + tl.arange(0, {WG_ROWS}, layout=ROW_O)",
+            "mask_m = offs_m < M",
+            "offs_dv = tl.arange(0, DV, layout=tl.SliceLayout(0, O_LAYOUT))",
+            "mask_dv = offs_dv < DV",
+            "m_o = tl.convert_layout(m_safe, ROW_O)",
+            "l_o = tl.convert_layout(l_i, ROW_O)",
+        ]
+        if cols[2] is not None:     # an epilogue: the backward reads the product itself
+            epi.lines += ["if stats:",
+                          f"    tl.store(rowstats_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + {cols[2]} "
+                          "+ offs_dv[None, :], acc, mask=mask_m[:, None] & mask_dv[None, :])"]
+        em.loop_reds = set()
+        em.red_names = {0: "m_o[:, None]", 1: "l_o[:, None]", 2: "acc"}
+        val = em.emit(r.out, GCTX_O, epi)
+        epi.lines.append(f"tl.store(out_ptr + {out_offsets(r, em, epi, 'out', GCTX_O)}, "
+                         f"{val}.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])")
+        params = ", ".join(["W: tl.constexpr", *self.compute_params()])
+        body = "\n".join("    " + x for x in pre + loop + epi.lines)
+        return f"@gluon.jit\ndef {self.name}_compute({params}):\n{body}\n"
+
+    # -- the module ----------------------------------------------------------------------------
+    def write(self) -> str:
+        self.scan()             # first: the scan adds the block statistics' arguments
+        compute = self.compute_function()
+        self.fork()
+        params = self.compute_params()
+        wrappers = "".join(
+            f"\n\n@gluon.jit\ndef {self.name}_compute{w}({', '.join(params)}):\n"
+            f"    {self.name}_compute({w}, {', '.join(params)})\n" for w in (0, 1))
+        sig = [a for a in self.signature() if a not in ("EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr",
+                                                        "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr")]
+        sig += ["k_desc", "v_desc", "STAGES: tl.constexpr"]
+        doc = "\n".join("    # " + line for line in self.r.describe(sizes=False).splitlines())
+        body = "\n".join("    " + x for x in self.outer.lines)
+        kernel = f"@gluon.jit\ndef {self.name}(\n" + ",\n".join("    " + a for a in sig) + f",\n):\n{doc}\n{body}\n"
+        return (GLUON_PRELUDE + HELPERS + "\n\n" + LOADER.format(name=self.name) + "\n\n\n" + compute + wrappers
+                + "\n\n" + kernel)
+
+
+GLUON_PRELUDE = '''import triton
+from triton.experimental import gluon
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from flashlight.codegen import gluon_tl as tl
+'''
+
+LOADER = '''@gluon.jit
+def {name}_loader(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, k_row, v_row, lo, hi):
+    # the live key blocks [lo, hi) in order, through a ring of STAGES buffers per operand
+    STAGES: tl.constexpr = k_smem.type.shape[0]
+    BLOCK_N: tl.constexpr = k_smem.type.shape[1]
+    for i in range(hi - lo):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        n0 = (lo + i) * BLOCK_N
+        # an empty barrier starts with its phase 1 complete: the first STAGES waits pass
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [k_row + n0, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [v_row + n0, 0], v_ready.index(s), v_smem.index(s))'''
+
+
+def generate_gluon(region: Region, name: str) -> tuple[str, list]:
+    """Gluon source of the forward kernel ``name`` for ``region`` (``gluon_support`` must be
+    empty) and the block statistics its scan reads; raises CodegenError where the emitted code
+    would need what Gluon lacks."""
+    why = gluon_support(region)
+    if why:
+        raise CodegenError(why)
+    w = GluonWriter(region, name)
+    return w.write(), w.stats

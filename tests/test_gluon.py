@@ -1,0 +1,85 @@
+"""The Hopper Gluon forward (codegen/gluon.py, runtime/gluon.py) on a machine without a GPU: which
+regions and layouts get it, and that its generated source compiles for sm_90 with Triton's own
+compiler and ptxas (no driver needed). Its numerics need the GPU: tests/test_gpu.py."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.offline import capture
+from flashlight.codegen.gluon import gluon_pays, gluon_support
+from flashlight.examples import VARIANTS
+from flashlight.runtime import gluon as rg
+from flashlight.runtime import op as rt
+
+
+@pytest.fixture
+def region(monkeypatch):
+    """The captured region of a variant (B=1 H=2 N=256, bf16), as compiled for CUDA."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def get(name, d=128):
+        c, inputs = capture(VARIANTS[name], 1, 2, 256, d)
+        return c, inputs
+    yield get
+    rt.REGISTRY.clear()
+
+
+@pytest.mark.parametrize("name", ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi",
+                                  "softcap", "gated", "hand_softmax"])
+def test_one_softmax_regions_have_a_gluon_forward(region, name):
+    c, _ = region(name)
+    assert gluon_support(c.region) == ""
+
+
+@pytest.mark.parametrize("name,d,why", [
+    ("diff_attention", 128, "one score tile"),          # two softmax maps
+    ("sinks", 128, "one online softmax"),               # a sink's extra element
+    ("relu_attention", 128, "reductions ['dot']"),      # no softmax
+    ("post_softmax", 128, "reductions"),                # a second sum of the probabilities
+    ("cross_attention", 128, "whole rows"),             # K, V as [B, N, H, D]: not [key, head] rows
+    ("causal", 80, "head dims 80"),
+])
+def test_other_regions_keep_the_triton_forward(region, name, d, why):
+    c, _ = region(name, d)
+    assert why in gluon_support(c.region)
+
+
+@pytest.mark.parametrize("name,d,why", [("causal", 64, "head dims 64"), ("document_mask", 128, "loaded inside"),
+                                        ("softcap", 128, "['tanh']"), ("causal", 128, ""), ("alibi", 128, "")])
+def test_gluon_is_the_default_only_where_it_measured_faster(region, name, d, why):
+    c, _ = region(name, d)
+    assert (why in gluon_pays(c.region)) if why else gluon_pays(c.region) == ""
+
+
+def test_launch_checks_the_layouts():
+    """Whole 128-key blocks, K and V as [rows, head] with batch strides in whole rows, 16-bit."""
+    x = torch.empty(2, 4, 256, 64, dtype=torch.bfloat16)
+    assert rg.operand_rows(x, 2)
+    assert not rg.operand_rows(x.transpose(1, 2).contiguous().transpose(1, 2), 2)    # BSHD storage
+    assert not rg.operand_rows(x.flatten()[1:1 + 2 * 4 * 255 * 64].view(2, 4, 255, 64), 2)   # not 16-byte aligned
+    assert not rg.operand_rows(x.transpose(2, 3), 2)                                 # head dim not contiguous
+    assert rg.descriptor_rows(x, 2) == 2 * 4 * 256
+    shared = x[:, :1].expand(2, 4, 256, 64)      # one K head read by four query heads (stride 0)
+    assert rg.operand_rows(shared, 2) and rg.descriptor_rows(shared, 2) == 4 * 256 + 256
+    assert not rg.hopper(torch.device("cpu"))
+
+
+def test_generated_gluon_compiles_for_sm90():
+    """Three kernels as the runtime would launch them (arguments, descriptors, constexprs),
+    compiled to cubins by ``benchmarks.offline`` in a process of its own: Gluon's wrappers of
+    triton.language cannot compile in this one, whose interpreter is on. Each must be
+    warp-specialised into async wgmma without spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.offline", "--variants", "causal,document_mask,softcap",
+                          "--b", "1", "--h", "2", "--n", "256", "--d", "64", "--kernels", "gfwd"],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.splitlines() if " gfwd " in line]
+    assert [r[0] for r in rows] == ["causal", "document_mask", "softcap"], res.stdout
+    for r in rows:      # variant gfwd gluon secs regs spills smem async sass...
+        assert r[5] == "0/0" and r[7] == "async" and any(x.startswith("HGMMA=") for x in r), r
+        assert any(x.startswith("UTMALDG=") for x in r), r
