@@ -4,6 +4,7 @@
     python -m benchmarks.run --suite all --quick           # fewer shapes
     python -m benchmarks.run --suite flex --only causal,alibi --rep 100
     python -m benchmarks.run --suite flex --shapes 16x1024,1x16384    # some (B, N) of the suite
+    python -m benchmarks.run --suite flex --dims 128                  # one head dim
     TRITON_INTERPRET=1 python -m benchmarks.run --suite all --device cpu --tiny    # plumbing check
 
 Every case times Flashlight and its competitors on the same inputs (``measure.py``), checks each
@@ -67,6 +68,9 @@ def select(args) -> list[suites.Case]:
     if args.shapes:
         shapes = {tuple(int(x) for x in s.strip().lower().split("x")) for s in args.shapes.split(",")}
         cases = [c for c in cases if (c.B, c.N) in shapes]
+    if args.dims:
+        dims = {int(d) for d in args.dims.split(",")}
+        cases = [c for c in cases if c.D in dims]
     return cases
 
 
@@ -140,6 +144,7 @@ def parse_args(argv=None):
     p.add_argument("--shapes", help="comma list of BxN (batch x key length) to keep, e.g. 16x1024,1x16384")
     p.add_argument("--backends", help="comma list of backends to run (default: each case's): "
                    + ", ".join(suites.BACKENDS))
+    p.add_argument("--dims", help="comma list of head dims to keep, e.g. 128")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=DTYPES, help="default bf16 on CUDA, fp32 on CPU")
     p.add_argument("--rep", type=int, default=50, help="do_bench repetition time, ms")

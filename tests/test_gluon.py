@@ -21,9 +21,8 @@ def region(monkeypatch):
     """The captured region of a variant (B=1 H=2 N=256, bf16), as compiled for CUDA."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
-    def get(name, d=128):
-        c, inputs = capture(VARIANTS[name], 1, 2, 256, d)
-        return c, inputs
+    def get(name, d=128, n=256):
+        return capture(VARIANTS[name], 1, 2, n, d)
     yield get
     rt.REGISTRY.clear()
 
@@ -48,10 +47,13 @@ def test_other_regions_keep_the_triton_forward(region, name, d, why):
     assert why in gluon_support(c.region)
 
 
-@pytest.mark.parametrize("name,d,why", [("causal", 64, "head dims 64"), ("document_mask", 128, "loaded inside"),
-                                        ("softcap", 128, "['tanh']"), ("causal", 128, ""), ("alibi", 128, "")])
-def test_gluon_is_the_default_only_where_it_measured_faster(region, name, d, why):
-    c, _ = region(name, d)
+@pytest.mark.parametrize("name,d,n,why", [
+    ("causal", 64, 4096, "head dims 64"), ("document_mask", 128, 4096, "loaded inside"),
+    ("softcap", 128, 4096, "['tanh']"), ("sliding_window", 128, 4096, "a band of keys"),
+    ("causal", 128, 1024, "masked rows of 1024 keys"), ("vanilla", 128, 512, "512 keys"),
+    ("causal", 128, 4096, ""), ("alibi", 128, 4096, ""), ("prefix_lm", 128, 4096, ""), ("vanilla", 128, 1024, "")])
+def test_gluon_is_the_default_only_where_it_measured_faster(region, name, d, n, why):
+    c, _ = region(name, d, n)
     assert (why in gluon_pays(c.region)) if why else gluon_pays(c.region) == ""
 
 

@@ -23,9 +23,9 @@ at D=128 1.28x faster than the Triton kernel and 1.05x cuDNN's (docs/notes.md, s
 """
 from __future__ import annotations
 
-from ..ir import Region, free_vars, refs, walk
+from ..ir import Region, const, free_vars, refs, substitute, walk
 from ..ir.region import rowstat_columns
-from ..sparsity import full_body
+from ..sparsity import dead_predicate, full_body, useful
 from .emit import TRITON, Block, CodegenError, Ctx
 from .kernel import NEG_INF, KernelWriter, batch_index, out_offsets, positive_scale
 
@@ -117,13 +117,17 @@ SLOW_OPS = {"exp", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "si
 
 
 def gluon_pays(region: Region) -> str:
-    """Why the Triton kernel is the faster choice for ``region`` ('' when the Gluon one is),
-    from session 10's A/B on the H200 (docs/notes.md): Gluon ran 1.10-1.29x faster at D=128
-    for full and causal attention, but 0.89x at D=64 (the products are too short to hide the
-    softmax behind); loads of score tiles inside a partition go one element at a time (the
-    partition's arguments no longer carry their alignment: the document mask ran 0.41-0.70x);
-    and a score program with more transcendentals than the softmax's exp2 keeps the tensor
-    cores waiting either way (softcap 0.89-0.99x)."""
+    """Why the Triton kernel is the faster choice for ``region`` ('' when the Gluon one is), from
+    session 10's A/Bs on the H200 (docs/notes.md; ratios are Triton ms / Gluon ms):
+    - head dims below 128: the products are too short to hide the softmax behind (0.89x at 64);
+    - score tiles loaded inside a partition go one element at a time (its arguments no longer
+      carry the alignment Triton specialised on): the document mask ran 0.41-0.70x;
+    - more transcendentals than the softmax's exp2 keep the tensor cores waiting either way
+      (softcap 0.80-0.99x);
+    - short key loops do not fill the pipeline: a mask that leaves the last query only a band
+      of recent keys (sliding window: 0.48-0.65x at every length), and masked rows under 4096
+      keys (causal, prefix-LM, ALiBi at 1024: 0.65-0.82x; at 4096 and more 0.97-1.27x). Full
+      rows pay from 1024 keys (1.05-1.06x; 1.16-1.18x at 4096 and more)."""
     r = region
     if (r.DK, r.DV) != (128, 128):
         return f"head dims {r.DK}, {r.DV}: the Triton kernel is as fast below 128"
@@ -133,7 +137,20 @@ def gluon_pays(region: Region) -> str:
     slow = {x.op for b in bodies for x in walk(b)} & SLOW_OPS
     if slow:
         return f"score ops {sorted(slow)} make the softmax the longer half"
-    return ""
+    dead = dead_predicate(r, r.passes()[0])
+    if not useful(dead):
+        return "" if r.N >= 1024 else f"{r.N} keys: too few blocks"
+    if banded(dead, r):
+        return "a band of keys per query: too few blocks"
+    return "" if r.N >= 4096 else f"masked rows of {r.N} keys: too few blocks"
+
+
+def banded(dead, region: Region) -> bool:
+    """Is the last query's first key dead (batch indices 0)? Then the live keys of a row are a
+    band that does not grow with N: a sliding window, not a causal or prefix mask."""
+    point = {"m": region.M - 1, "n": 0, **{v: 0 for v in region.batch_vars}}
+    e = substitute(dead, lambda x: const(point[x.args[0]]) if x.op == "var" and x.args[0] in point else None)
+    return e.op == "const" and e.args[0] is True
 
 
 class GluonWriter(KernelWriter):
