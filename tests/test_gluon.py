@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,14 +61,49 @@ def test_gluon_is_the_default_only_where_it_measured_faster(region, name, d, n, 
 def test_launch_checks_the_layouts():
     """Whole 128-key blocks, K and V as [rows, head] with batch strides in whole rows, 16-bit."""
     x = torch.empty(2, 4, 256, 64, dtype=torch.bfloat16)
-    assert rg.operand_rows(x, 2)
-    assert not rg.operand_rows(x.transpose(1, 2).contiguous().transpose(1, 2), 2)    # BSHD storage
-    assert not rg.operand_rows(x.flatten()[1:1 + 2 * 4 * 255 * 64].view(2, 4, 255, 64), 2)   # not 16-byte aligned
-    assert not rg.operand_rows(x.transpose(2, 3), 2)                                 # head dim not contiguous
+    assert rg.operand_rows(x, 2, 64)
+    assert not rg.operand_rows(x.transpose(1, 2).contiguous().transpose(1, 2), 2, 64)    # BSHD storage
+    assert not rg.operand_rows(x.flatten()[1:1 + 2 * 4 * 255 * 64].view(2, 4, 255, 64), 2, 64)   # not 16-byte aligned
+    assert not rg.operand_rows(x.transpose(2, 3), 2, 256)                              # head dim not contiguous
+    wide = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16)
+    assert not rg.operand_rows(wide, 2, 64)      # a region reading k[..., :64] of it: copies would overrun
+    assert rg.operand_rows(wide[..., :64], 2, 64)    # that view passed in itself: [rows, 64] with row stride 128
+    assert not rg.operand_rows(x[:, :, :1].expand(2, 4, 256, 64), 2, 64)               # one key, broadcast
     assert rg.descriptor_rows(x, 2) == 2 * 4 * 256
     shared = x[:, :1].expand(2, 4, 256, 64)      # one K head read by four query heads (stride 0)
-    assert rg.operand_rows(shared, 2) and rg.descriptor_rows(shared, 2) == 4 * 256 + 256
+    assert rg.operand_rows(shared, 2, 64) and rg.descriptor_rows(shared, 2) == 4 * 256 + 256
     assert not rg.hopper(torch.device("cpu"))
+
+
+def test_an_fp32_q_keeps_the_triton_forward(region):
+    """A float32 Q against bf16 K: the Triton kernel's product is fp32; Gluon's would round Q."""
+    def make_inputs(B, H, M, N, D, dtype, device):
+        q = torch.randn(B, H, M, D, dtype=torch.float32, device=device)
+        return (q, *(torch.randn(B, H, N, D, dtype=dtype, device=device) for _ in range(2)))
+    mod = SimpleNamespace(make_inputs=make_inputs, attention=lambda q, k, v: torch.softmax(
+        q @ k.float().mT * 0.125, -1).to(v.dtype) @ v)
+    c, _ = capture(mod, 1, 2, 256, 128)
+    assert "16-bit type" in gluon_support(c.region)
+
+
+def test_a_failed_first_gluon_launch_falls_back(region, monkeypatch):
+    """A Gluon kernel that fails to compile (its first launch) leaves the Triton kernel for good;
+    under FLASHLIGHT_STRICT=1, or after a launch that worked, the error is raised."""
+    c, inputs = region("causal")
+    outs, rowstats = c.new_outputs(inputs[0]), torch.empty(c.rowstats_shape)
+
+    def broken(*args):
+        raise RuntimeError("ptxas failed")
+    monkeypatch.setattr(rg, "launch", broken)
+    c.gfwd = object()
+    monkeypatch.setenv("FLASHLIGHT_STRICT", "1")
+    with pytest.raises(RuntimeError):
+        c.launch_gluon(inputs, outs, rowstats, True, None)
+    monkeypatch.delenv("FLASHLIGHT_STRICT")
+    assert c.launch_gluon(inputs, outs, rowstats, True, None) is False and c.gfwd is False
+    c.gfwd, c.gluon_launched = object(), True
+    with pytest.raises(RuntimeError):
+        c.launch_gluon(inputs, outs, rowstats, True, None)
 
 
 def test_generated_gluon_compiles_for_sm90():

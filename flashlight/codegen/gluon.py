@@ -23,11 +23,14 @@ at D=128 1.28x faster than the Triton kernel and 1.05x cuDNN's (docs/notes.md, s
 """
 from __future__ import annotations
 
+import torch
+
 from ..ir import Region, const, free_vars, refs, substitute, walk
 from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, full_body, useful
+from .emit import HELPERS as TRITON_HELPERS
 from .emit import TRITON, Block, CodegenError, Ctx
-from .kernel import NEG_INF, KernelWriter, batch_index, out_offsets, positive_scale
+from .kernel import NEG_INF, KernelWriter, batch_index, operand_dtype, out_offsets, positive_scale
 
 BLOCK_M = 128        # query rows per program: two warpgroups of 64
 WG_ROWS = 64
@@ -55,20 +58,7 @@ GCTX_S = Ctx("s", vars={"m": "offs_m[:, None]", "n": "offs_n[None, :]"},
 GCTX_O = Ctx("o", vars={"m": "offs_m[:, None]", "dv": "offs_dv[None, :]"},
              masks={"m": "mask_m[:, None]", "dv": "mask_dv[None, :]"})
 
-HELPERS = '''
-@gluon.jit
-def fl_floordiv(a, b):
-    # Python floor division for integers of any sign (// truncates)
-    q = a // b
-    return q - tl.where((a % b != 0) & ((a < 0) != (b < 0)), 1, 0)
-
-
-@gluon.jit
-def fl_mod(a, b):
-    # Python remainder: takes the sign of the divisor
-    r = a % b
-    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
-'''
+HELPERS = TRITON_HELPERS.replace("@triton.jit", "@gluon.jit")      # fl_floordiv, fl_mod
 
 
 def bulk_operand(e, n: str, d: str) -> bool:
@@ -102,6 +92,9 @@ def gluon_support(region: Region) -> str:
         return "K or V is not read as whole rows"
     if not {"m", "dk"} <= free_vars(r.dots[0].q):
         return "Q does not vary along its rows and head"
+    k_dtype = r.inputs[r.dots[0].k.args[0]].dtype
+    if operand_dtype(r.dots[0].q, r, False) != k_dtype or k_dtype not in (torch.bfloat16, torch.float16):
+        return "Q and K are not of one 16-bit type (the Triton kernel's fp32 product keeps an fp32 Q)"
     if "dot" not in {x.op for x in walk(r.out)} and 2 not in refs(r.out, "red"):
         return "the output is not built from the product"
     for e in (mx.body, sm.body, r.out, r.dots[0].q):
@@ -131,6 +124,8 @@ def gluon_pays(region: Region) -> str:
     r = region
     if (r.DK, r.DV) != (128, 128):
         return f"head dims {r.DK}, {r.DV}: the Triton kernel is as fast below 128"
+    if r.M < BLOCK_M:
+        return f"{r.M} queries: fewer than a program's rows (unmeasured: the Triton kernel's blocks fit)"
     bodies = [red.body for red in r.reductions[:2]]
     if any(free_vars(x) & {"m", "n"} for b in bodies for x in walk(b) if x.op == "load"):
         return "score tiles loaded inside a partition"
@@ -367,7 +362,7 @@ class GluonWriter(KernelWriter):
             "mask_m = offs_m < M",
             "offs_dv = tl.arange(0, DV, layout=tl.SliceLayout(0, O_LAYOUT))",
             "mask_dv = offs_dv < DV",
-            "m_o = tl.convert_layout(m_safe, ROW_O)",
+            "m_o = tl.convert_layout(m_i, ROW_O)  # the raw max, as the Triton epilogue reads it",
             "l_o = tl.convert_layout(l_i, ROW_O)",
         ]
         if cols[2] is not None:     # an epilogue: the backward reads the product itself

@@ -37,12 +37,15 @@ def hopper(device: torch.device) -> bool:
                                                  else torch.cuda.current_device()) == (9, 0)
 
 
-def operand_rows(x: torch.Tensor, n_dim: int) -> bool:
+def operand_rows(x: torch.Tensor, n_dim: int, head: int) -> bool:
     """Can one 2-D descriptor [rows, head] read ``x``'s [key, head] tiles for every batch index?
-    Its head dim contiguous, its key stride 16-byte aligned, and every other stride a multiple
-    of the key stride (the batch offset is then a whole number of rows)."""
+    All of its last dim is the head (a prefix slice's copies would overrun the shared buffers),
+    contiguous; its key stride is nonzero (not a broadcast key) and 16-byte aligned; every other
+    stride is a multiple of the key stride (the batch offset is then a whole number of rows)."""
     s, n = x.stride(), x.stride(n_dim)
-    return (s[-1] == 1 and descriptor_rows(x, n_dim) < 2 ** 31 and n * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0
+    if x.shape[-1] != head or s[-1] != 1 or n <= 0 or n * x.element_size() % 16 or x.data_ptr() % 16:
+        return False
+    return (descriptor_rows(x, n_dim) < 2 ** 31
             and all(st % n == 0 for d, st in enumerate(s[:-1]) if d != n_dim and x.shape[d] > 1))
 
 
@@ -67,7 +70,8 @@ def usable(region: Region, inputs: list[torch.Tensor]) -> bool:
     read from the next batch index: masked to -inf, but 0 * a NaN there is NaN), and K and V
     readable as rows (``operand_rows``) in a 16-bit type."""
     k, v = operand(region, inputs, "k"), operand(region, inputs, "v")
-    return (region.N % BLOCK_N == 0 and all(x.dtype in DTYPES and operand_rows(x, d) for x, d in (k, v)))
+    return (region.N % BLOCK_N == 0 and all(x.dtype in DTYPES and operand_rows(x, d, head)
+                                            for (x, d), head in ((k, region.DK), (v, region.DV))))
 
 
 def operand(region: Region, inputs: list[torch.Tensor], which: str) -> tuple[torch.Tensor, int]:

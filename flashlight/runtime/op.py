@@ -69,6 +69,7 @@ class CompiledRegion:
     split: object = None             # decode.SplitKernels once compiled (False: not splittable)
     metas: dict = field(default_factory=dict)       # (config, stats, TMA) -> (grid, launch_meta)
     gfwd: object = None              # the Gluon forward (runtime.gluon) once compiled; False: none
+    gluon_launched: bool = False     # it launched once (compiled): later errors are real errors
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
 
     @property
@@ -170,19 +171,20 @@ class CompiledRegion:
         return [fresh(like.new_empty(self.out_shape, dtype=r.out_dtype)), *rows]
 
     def launch(self, inputs: list[torch.Tensor], cfg: Config, stats: bool = True,
-               block_stats: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+               block_stats: dict | None = None, gluon_ok: bool = True) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """One forward: [output, *row outputs] and the fp32 row statistics (the split-KV combine
         kernel stores them too, so the generated backward serves both paths). Without ``stats``
-        the kernels skip those stores (they get a one-element placeholder) and None is returned."""
+        the kernels skip those stores (they get a one-element placeholder) and None is returned.
+        The split-KV kernels first, then the Gluon forward where it applies (``gluon_ok``: the
+        autotuner times Triton configs), else the Triton kernel under ``cfg``."""
         r = self.region
         outs = self.new_outputs(inputs[0])
         rowstats = unwritten(inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32))
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
-        if split and split.launch(inputs, outs, rowstats, cfg, stats, block_stats):
-            pass
-        elif self.gluon_kernel(inputs) is not None:     # Hopper: warp-specialised, whatever ``cfg`` says
-            gluon.launch(self.gfwd, r, kernel_args(r, self.stats, inputs, outs, rowstats, block_stats), inputs, stats)
-        else:                                           # the Triton kernel
+        done = bool(split) and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)
+        if not done and gluon_ok and self.gluon_kernel(inputs) is not None:
+            done = self.launch_gluon(inputs, outs, rowstats, stats, block_stats)
+        if not done:
             tma = descriptors.flag(self.tma, inputs)
             meta = self.metas.get((cfg, stats, tma))
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
@@ -192,6 +194,21 @@ class CompiledRegion:
                           meta[1], inputs[0].device if tma else None)
         self.launches += 1
         return outs, (rowstats if stats else None)
+
+    def launch_gluon(self, inputs, outs, rowstats, stats: bool, block_stats: dict | None) -> bool:
+        """The Gluon forward; False (and the Triton kernel for good) if its first launch, which
+        compiles it, fails: a fused region never fails for want of Gluon (``FLASHLIGHT_STRICT=1``
+        raises instead)."""
+        args = kernel_args(self.region, self.stats, inputs, outs, rowstats, block_stats)
+        try:
+            gluon.launch(self.gfwd, self.region, args, inputs, stats)
+        except Exception:  # noqa: BLE001 — a compiler error or resources: the Triton kernel serves
+            if self.gluon_launched or os.environ.get("FLASHLIGHT_STRICT") == "1":
+                raise
+            self.gfwd = False
+            return False
+        self.gluon_launched = True
+        return True
 
     def gluon_kernel(self, inputs: list[torch.Tensor]):
         """The Gluon forward if this launch may run it (``runtime.gluon.usable``), else None;
@@ -236,7 +253,7 @@ class CompiledRegion:
             default = self.default_config(kernel)
             if cfg is None and self.max_autotune:
                 space = candidates(block_d, len(r.dots), r.M) if kernel == "fwd" else backward_candidates(block_d, kernel)
-                cfg = self.autotune(tune or (lambda c: self.launch(inputs, c)), space, default)
+                cfg = self.autotune(tune or (lambda c: self.launch(inputs, c, gluon_ok=False)), space, default)
                 disk.store(key, cfg)
             elif cfg is None:
                 cfg = default
