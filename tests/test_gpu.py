@@ -144,3 +144,26 @@ def test_gluon_forward_ragged_queries_and_fallbacks(monkeypatch):
             out = torch.compile(VARIANTS[name].attention, backend="flashlight", dynamic=False)(*inputs)
         assert rel_error(out, VARIANTS[name].attention(*(to64(x) for x in inputs))) < FWD_TOL
         assert not any(c.gfwd for c in REGISTRY.values()), name
+
+
+def test_gluon_declines_what_its_copies_cannot_read(monkeypatch):
+    """K read as a prefix of a wider tensor (copies of whole rows would overrun the shared
+    buffers), a broadcast key (stride 0) and an fp32 Q against bf16 K run the Triton kernel,
+    and match float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Gluon kernels are for sm_90")
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "all")
+    torch.manual_seed(0)
+    q, v = (torch.randn(2, 4, 256, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    wide = torch.randn(2, 4, 256, 256, device="cuda", dtype=torch.bfloat16)
+    programs = [
+        (lambda q, k, v: torch.softmax(q @ k[..., :128].mT * 0.088, -1) @ v, (q, wide, v)),
+        (lambda q, k, v: torch.softmax(q @ k.mT * 0.088, -1) @ v, (q, q, v[:, :, :1].expand(2, 4, 256, 128))),
+        (lambda q, k, v: torch.softmax(q @ k.float().mT * 0.088, -1).to(v.dtype) @ v, (q.float(), q, v)),
+    ]
+    for fn, args in programs:
+        REGISTRY.clear()
+        with torch.no_grad():
+            out = torch.compile(fn, backend="flashlight", dynamic=False)(*args)
+        assert rel_error(out, fn(*(to64(x) for x in args))) < FWD_TOL
+        assert not any(c.gfwd for c in REGISTRY.values())
