@@ -79,12 +79,14 @@ class RegionReport:
     skipped: float | None = None     # fraction of key blocks the kernel skipped on these inputs
     backward: str = ""               # which backward the region uses, and why
     backward_source: str = ""        # the generated backward kernel ("" for the reference VJP)
+    hopper: str = ""                 # the forward on an sm_90 GPU: Gluon or Triton, and why
 
     def __str__(self) -> str:
         s = ", ".join(f"{k}={v}" for k, v in self.shapes.items())
         skip = f"  blocks skipped: {self.skipped:.0%}" if self.skipped else ""
         return f"{self.kernel}  [{s}]  features: {', '.join(self.features) or '-'}{skip}" + \
-            f"\n      backward: {self.backward}" + (f"\n      at {self.source}" if self.source else "")
+            f"\n      backward: {self.backward}" + (f"\n      on sm_90: {self.hopper}" if self.hopper else "") + \
+            (f"\n      at {self.source}" if self.source else "")
 
 
 @dataclass
@@ -106,7 +108,14 @@ def region_report(c) -> RegionReport:
     backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
         f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
     return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
-                        backward, c.bwd_source)
+                        backward, c.bwd_source, hopper_forward(r))
+
+
+def hopper_forward(r: Region) -> str:
+    """Which forward an sm_90 GPU runs for this region (``codegen.gluon``), layouts permitting."""
+    from .codegen.gluon import gluon_pays, gluon_support
+    why = gluon_support(r) or gluon_pays(r)
+    return f"Triton kernel ({why})" if why else "Gluon forward (warp-specialised), when K and V are whole [key, head] rows"
 
 
 def explain(fn, *args, **kwargs) -> Report:

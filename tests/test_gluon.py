@@ -83,7 +83,7 @@ def test_an_fp32_q_keeps_the_triton_forward(region):
     mod = SimpleNamespace(make_inputs=make_inputs, attention=lambda q, k, v: torch.softmax(
         q @ k.float().mT * 0.125, -1).to(v.dtype) @ v)
     c, _ = capture(mod, 1, 2, 256, 128)
-    assert "16-bit type" in gluon_support(c.region)
+    assert "keeps Q's precision" in gluon_support(c.region)
 
 
 def test_a_failed_first_gluon_launch_falls_back(region, monkeypatch):
@@ -121,3 +121,11 @@ def test_generated_gluon_compiles_for_sm90():
     for r in rows:      # variant gfwd gluon secs regs spills smem async sass...
         assert r[5] == "0/0" and r[7] == "async" and any(x.startswith("HGMMA=") for x in r), r
         assert any(x.startswith("UTMALDG=") for x in r), r
+
+
+def test_explain_says_which_forward_hopper_runs(region):
+    from flashlight.explain import hopper_forward
+    causal, _ = region("causal", 128, 4096)
+    assert hopper_forward(causal.region).startswith("Gluon forward")
+    document, _ = region("document_mask", 128, 4096)
+    assert hopper_forward(document.region) == "Triton kernel (score tiles loaded inside a partition)"

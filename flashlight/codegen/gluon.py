@@ -91,9 +91,11 @@ def gluon_support(region: Region) -> str:
         return "K or V is not read as whole rows"
     if not {"m", "dk"} <= free_vars(r.dots[0].q):
         return "Q does not vary along its rows and head"
-    k_dtype = r.inputs[r.dots[0].k.args[0]].dtype
-    if operand_dtype(r.dots[0].q, r, False) != k_dtype or k_dtype not in (torch.bfloat16, torch.float16):
-        return "Q and K are not of one 16-bit type (the Triton kernel's fp32 product keeps an fp32 Q)"
+    k_dtype, q_dtype = r.inputs[r.dots[0].k.args[0]].dtype, operand_dtype(r.dots[0].q, r, False)
+    if k_dtype not in (torch.bfloat16, torch.float16):
+        return f"{k_dtype} operands (Gluon kernels take 16-bit ones)"
+    if q_dtype != k_dtype:
+        return f"Q in {q_dtype} against K in {k_dtype} (the Triton kernel keeps Q's precision)"
     if 2 not in refs(r.out, "red"):
         return "the output is not built from the product"
     for e in (mx.body, sm.body, r.out, r.dots[0].q):
