@@ -129,3 +129,14 @@ def test_explain_says_which_forward_hopper_runs(region):
     assert hopper_forward(causal.region).startswith("Gluon forward")
     document, _ = region("document_mask", 128, 4096)
     assert hopper_forward(document.region) == "Triton kernel (score tiles loaded inside a partition)"
+
+
+def test_gluon_backward_prototype_compiles_for_sm90():
+    """benchmarks/gluon_backward.py (not yet run on a GPU) keeps compiling: async wgmma, no
+    serialisation."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.gluon_backward", "--offline"], capture_output=True,
+                         text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("D=128")]
+    assert len(lines) == 2 and all("'serialized': False" in x and "'HGMMA': 48" in x for x in lines), res.stdout
