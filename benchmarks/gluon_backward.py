@@ -68,7 +68,7 @@ def _compute(W: gl.constexpr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, q_smem, do_sme
                                                        instr_shape=[16, HEAD_D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)
-    keys = key0 + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    keys = key0 - row0 + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))    # within the head
     k = k_smem.slice(W * 64, 64)        # this warpgroup's keys
     v = v_smem.slice(W * 64, 64)
     zero_s = gl.zeros([64, BLOCK_M], gl.float32, s_layout)
