@@ -38,6 +38,7 @@ BLOCK_N = 128
 STAGES = 2           # K/V ring depth (3 measured no faster at D=128, and needs 229 KB of shared memory)
 MAXNREG = 168        # 12 warps x 168 = 64.5 K registers: compute warpgroups get 240, the loader 24
 HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)      # the operand types of its wgmma
 
 # IR ops whose emitted code uses only names Gluon (with ``gluon_tl``) has
 GLUON_OPS = set(TRITON) - {"rand16", "sum_dv"} | {"var", "const", "red", "dot", "load", "tile"}
@@ -92,7 +93,7 @@ def gluon_support(region: Region) -> str:
     if not {"m", "dk"} <= free_vars(r.dots[0].q):
         return "Q does not vary along its rows and head"
     k_dtype, q_dtype = r.inputs[r.dots[0].k.args[0]].dtype, operand_dtype(r.dots[0].q, r, False)
-    if k_dtype not in (torch.bfloat16, torch.float16):
+    if k_dtype not in DTYPES:
         return f"{k_dtype} operands (Gluon kernels take 16-bit ones)"
     if q_dtype != k_dtype:
         return f"Q in {q_dtype} against K in {k_dtype} (the Triton kernel keeps Q's precision)"
@@ -301,7 +302,7 @@ class GluonWriter(KernelWriter):
             "BLOCK_N: tl.constexpr = k_smem.type.shape[1]",
             "DK: tl.constexpr = k_smem.type.shape[2]",
             "DV: tl.constexpr = v_smem.type.shape[2]",
-            f"S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
             "instr_shape=[16, BLOCK_N, 16])",
             "O_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
             "instr_shape=[16, DV, 16])",

@@ -14,12 +14,9 @@ import os
 
 import torch
 
-from ..codegen.gluon import BLOCK_M, BLOCK_N, MAXNREG, STAGES
+from ..codegen.gluon import BLOCK_M, BLOCK_N, DTYPES, MAXNREG, STAGES
 from ..ir import Region
 from ..tune import cdiv, pow2
-
-DTYPES = (torch.bfloat16, torch.float16)
-
 
 def mode() -> str:
     """``FLASHLIGHT_GLUON``: "1", "all" or "0" (read per launch: the tests and A/Bs switch it)."""
