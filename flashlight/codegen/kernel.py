@@ -220,8 +220,9 @@ class KernelWriter:
             if pieces else [(CTX_V, CTX_O)]
 
     # -- operands of tl.dot -----------------------------------------------------------------
-    def dot_operand(self, e: Expr, ctx: Ctx, block: Block) -> tuple[str, torch.dtype]:
-        dt = operand_dtype(e, self.r, self.interpret)
+    def dot_operand(self, e: Expr, ctx: Ctx, block: Block, dt: torch.dtype | None = None) -> tuple[str, torch.dtype]:
+        """The tile of ``e`` as a tl.dot operand of type ``dt`` (default ``operand_dtype``)."""
+        dt = dt or operand_dtype(e, self.r, self.interpret)
         if e.op == "load":   # a bare load keeps its storage type: no round trip through fp32
             raw = self.em.load(e, ctx, block, bulk=self.bulk_loads)
             val = raw if self.r.inputs[e.args[0]].dtype == dt else f"{raw}.to({TL_DTYPE[dt]})"
@@ -234,8 +235,11 @@ class KernelWriter:
                   acc: str | None = None) -> tuple[str, torch.dtype, str, torch.dtype]:
         """``qk{i} = Q_i K_i^T`` on the two contexts' tiles (``K Q^T`` when ``transposed``: the
         dK/dV kernel's [N, M] tiles), added to ``acc``; returns the operands and their types."""
-        q, qdt = self.dot_operand(self.r.dots[i].q, q_ctx, block)
-        k, kdt = self.dot_operand(self.r.dots[i].k, k_ctx, block)
+        d = self.r.dots[i]
+        # both operands in one type: a bf16 K against an fp32 Q goes as fp32 (tl.dot takes one type)
+        dt = torch.promote_types(*(operand_dtype(e, self.r, self.interpret) for e in (d.q, d.k)))
+        q, qdt = self.dot_operand(d.q, q_ctx, block, dt)
+        k, kdt = self.dot_operand(d.k, k_ctx, block, dt)
         a, b = (k, q) if transposed else (q, k)
         block.lines.append(f"qk{i} = {self.tl_dot(a, b, qdt, acc=acc)}")
         return q, qdt, k, kdt
