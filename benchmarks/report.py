@@ -17,7 +17,7 @@ NA = "–"
 META = ["suite", "variant", "program", "mode", "B", "H", "M", "N", "D", "shape", "dtype", "device",
         "density", "gflop", "fused", "ref", "flashlight_vs_sdpa", "flashlight_vs_compile",
         "flashlight_vs_eager", "notes"]
-FIELDS = ["ms", "tflops", "vs_flex", "err", "ok", "first_s", "note"]
+FIELDS = ["ms", "tflops", "vs_flex", "err", "ok", "first_s", "ready_s", "note"]
 COLUMNS = META + [f"{b}_{f}" for b in BACKENDS for f in FIELDS]
 
 
@@ -108,6 +108,9 @@ def backend_line(row: dict, backend: str) -> str:
         s += f" err {num(row[f'{backend}_err']):.0e}" + ("" if row.get(f"{backend}_ok") in (True, "True") else " NOT OK")
     if num(row.get(f"{backend}_first_s")) is not None:
         s += f" first {num(row[f'{backend}_first_s']):.1f}s"
+        ready = num(row.get(f"{backend}_ready_s"))
+        if ready is not None and ready - num(row[f"{backend}_first_s"]) >= 0.05:
+            s += f" (ready {ready:.1f}s)"
     return s
 
 
@@ -130,13 +133,15 @@ TABLE = [  # header, width, value(row), format
     ("xB", 5, lambda r: ratio(r, "flashlight_b") or "", ".3f"),
     ("1st_fl", 6, lambda r: r.get("flashlight_first_s"), ".1f"),
     ("1st_fx", 6, lambda r: r.get("flex_first_s"), ".1f"),
+    ("rdy_fl", 6, lambda r: r.get("flashlight_ready_s"), ".1f"),
 ]
 
 LEGEND = ("fl_ms: Flashlight median ms; TF/s: its TFLOP/s of unmasked work; err: max rel. error vs "
           "fp32 eager (output, and q/k/v grads in training); xNAME = NAME ms / Flashlight ms "
           "(> 1: Flashlight faster); flex+bm: create_block_mask inside the call; sdpa: fastest "
           "SDPA backend; comp: torch.compile; xB: --b-env's A/B, Flashlight under those variables (ms) / "
-          "Flashlight (ms); 1st_*: first-call seconds (compile + tune); "
+          "Flashlight (ms); 1st_*: first-call seconds (compile + tune); rdy_fl: seconds until "
+          "Flashlight's background compiles were done too (the Gluon forward takes over then); "
           "–: n/a; err: failed (the CSV's *_note says why); blank: not run")
 
 

@@ -4,12 +4,14 @@ compiler and ptxas (no driver needed). Its numerics need the GPU: tests/test_gpu
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import flashlight
 from benchmarks.offline import capture
 from flashlight.codegen.gluon import gluon_pays, gluon_support
 from flashlight.examples import VARIANTS
@@ -87,8 +89,10 @@ def test_an_fp32_q_keeps_the_triton_forward(region):
 
 
 def test_a_failed_first_gluon_launch_falls_back(region, monkeypatch):
-    """A Gluon kernel that fails to compile (its first launch) leaves the Triton kernel for good;
-    under FLASHLIGHT_STRICT=1, or after a launch that worked, the error is raised."""
+    """A Gluon kernel that fails to compile (its first launch, FLASHLIGHT_BACKGROUND=0) leaves the
+    Triton kernel for good; under FLASHLIGHT_STRICT=1, or after a launch that worked, the error is
+    raised."""
+    monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")
     c, inputs = region("causal")
     outs, rowstats = c.new_outputs(inputs[0]), torch.empty(c.rowstats_shape)
 
@@ -104,6 +108,50 @@ def test_a_failed_first_gluon_launch_falls_back(region, monkeypatch):
     c.gfwd, c.gluon_launched = object(), True
     with pytest.raises(RuntimeError):
         c.launch_gluon(inputs, outs, rowstats, True, None)
+
+
+def test_the_gluon_kernel_compiles_in_the_background(region, monkeypatch):
+    """The first launch runs the Triton kernel, then submits the Gluon kernel's generation and
+    compile to a background thread (after the Triton kernel's compile, not beside it); the Triton
+    kernel serves until that is done, the Gluon kernel from the next launch on. A failed compile
+    leaves the Triton kernel for good, or is raised under FLASHLIGHT_STRICT=1."""
+    c, inputs = region("causal")
+    events, go, kernel = [], threading.Event(), object()
+
+    def compile_for(c_, args, inputs_, stats):
+        events.append("compile")
+        go.wait(30)
+        return kernel
+    monkeypatch.setattr(rt, "compile_gluon_for", compile_for)
+    monkeypatch.setattr(rt, "launch_kernel", lambda *args: events.append("triton"))
+    monkeypatch.setattr(rg, "launch", lambda k, *args: events.append("gluon" if k is kernel else "?"))
+    monkeypatch.setattr(rt.CompiledRegion, "gluon_applies", lambda self, inputs: self.gfwd is not False)
+    cfg = c.default_config()
+    c.launch(inputs, cfg)
+    assert events[0] == "triton" and c.gluon_compile is not None and c.gfwd is None
+    c.launch(inputs, cfg)        # still compiling
+    go.set()
+    flashlight.wait()
+    c.launch(inputs, cfg)
+    assert [e for e in events if e != "compile"] == ["triton", "triton", "gluon"] and events.count("compile") == 1
+    assert c.gfwd is kernel and c.gluon_launched
+
+    def broken(*args):
+        raise RuntimeError("ptxas failed")
+    monkeypatch.setattr(rt, "compile_gluon_for", broken)
+    for strict in ("1", "0"):
+        monkeypatch.setenv("FLASHLIGHT_STRICT", strict)
+        c.gfwd, c.gluon_launched, c.gluon_compile = None, False, None
+        events.clear()
+        c.launch(inputs, cfg)
+        flashlight.wait()
+        if strict == "1":
+            with pytest.raises(RuntimeError, match="ptxas"):
+                c.launch(inputs, cfg)
+        else:
+            c.launch(inputs, cfg)
+            c.launch(inputs, cfg)
+            assert events == ["triton"] * 3 and c.gfwd is False
 
 
 def test_generated_gluon_compiles_for_sm90():
@@ -139,4 +187,5 @@ def test_gluon_backward_prototype_compiles_for_sm90():
                          text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line for line in res.stdout.splitlines() if line.startswith("D=128")]
-    assert len(lines) == 2 and all("'serialized': False" in x and "'HGMMA': 48" in x for x in lines), res.stdout
+    assert len(lines) == 2 and all("'serialized': False" in x for x in lines), res.stdout
+    assert "'HGMMA': 48" in lines[0] and "'HGMMA': 96" in lines[1], res.stdout     # causal: masked, unmasked loops

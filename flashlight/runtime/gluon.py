@@ -91,6 +91,16 @@ def launch_meta(region: Region, inputs: list[torch.Tensor], stats: bool) -> dict
                 BLOCK_N=BLOCK_N, STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
 
 
+def grid(region: Region) -> tuple[int, int]:
+    return cdiv(region.M, BLOCK_M), math.prod(region.batch)
+
+
 def launch(kernel, region: Region, args: list, inputs: list[torch.Tensor], stats: bool) -> None:
     """One forward: ``args`` are the Triton kernel's (``op.kernel_args``)."""
-    kernel[(cdiv(region.M, BLOCK_M), math.prod(region.batch))](*args, **launch_meta(region, inputs, stats))
+    kernel[grid(region)](*args, **launch_meta(region, inputs, stats))
+
+
+def compile_for(kernel, region: Region, args: list, inputs: list[torch.Tensor], stats: bool) -> None:
+    """Compile the kernel for this launch's specialisation without launching it (Triton's
+    ``warmup``; ``runtime.background`` runs it on a compile thread)."""
+    kernel.warmup(*args, grid=grid(region), **launch_meta(region, inputs, stats))

@@ -33,7 +33,7 @@ from ..ir.region import from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, rows_config, smaller)
-from . import decode, descriptors, gluon
+from . import background, decode, descriptors, gluon
 from .backward import BackwardKernels
 from .buffers import unwritten
 from .cache import load_module, source_hash
@@ -68,8 +68,9 @@ class CompiledRegion:
     bwd_launches: int = 0
     split: object = None             # decode.SplitKernels once compiled (False: not splittable)
     metas: dict = field(default_factory=dict)       # (config, stats, TMA) -> (grid, launch_meta)
-    gfwd: object = None              # the Gluon forward (runtime.gluon) once compiled; False: none
+    gfwd: object = None              # the Gluon forward (runtime.gluon) once compiled; False: none or failed
     gluon_launched: bool = False     # it launched once (compiled): later errors are real errors
+    gluon_compile: object = None     # its compile on a background thread (a Future of it; runtime.background)
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
 
     @property
@@ -182,7 +183,8 @@ class CompiledRegion:
         rowstats = unwritten(inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32))
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
         done = bool(split) and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)
-        if not done and gluon_ok and self.gluon_kernel(inputs) is not None:
+        gluon_applies = not done and gluon_ok and self.gluon_applies(inputs)
+        if gluon_applies:
             done = self.launch_gluon(inputs, outs, rowstats, stats, block_stats)
         if not done:
             tma = descriptors.flag(self.tma, inputs)
@@ -190,18 +192,24 @@ class CompiledRegion:
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
                 meta = self.metas[cfg, stats, tma] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)),
                                                       launch_meta(r, cfg, stats, tma))
-            launch_kernel(self.kernel, meta[0], kernel_args(r, self.stats, inputs, outs, rowstats, block_stats),
-                          meta[1], inputs[0].device if tma else None)
+            args = kernel_args(r, self.stats, inputs, outs, rowstats, block_stats)
+            launch_kernel(self.kernel, meta[0], args, meta[1], inputs[0].device if tma else None)
+            if gluon_applies and self.gfwd is None and self.gluon_compile is None:
+                # after the Triton kernel's own compile (this call's critical path), not beside it
+                self.gluon_compile = background.submit(compile_gluon_for, inputs[0].device, self, args, inputs, stats)
         self.launches += 1
         return outs, (rowstats if stats else None)
 
     def launch_gluon(self, inputs, outs, rowstats, stats: bool, block_stats: dict | None) -> bool:
-        """The Gluon forward; False (and the Triton kernel for good) if its first launch, which
-        compiles it, fails: a fused region never fails for want of Gluon (``FLASHLIGHT_STRICT=1``
-        raises instead)."""
-        args = kernel_args(self.region, self.stats, inputs, outs, rowstats, block_stats)
+        """The Gluon forward; False where the Triton kernel serves this call instead: until the
+        Gluon kernel is compiled (``gluon_ready``), and for good if its compile or first launch
+        fails: a fused region never fails for want of Gluon (``FLASHLIGHT_STRICT=1`` raises
+        instead)."""
         try:
-            gluon.launch(self.gfwd, self.region, args, inputs, stats)
+            if not self.gluon_ready():
+                return False
+            gluon.launch(self.gfwd, self.region, kernel_args(self.region, self.stats, inputs, outs, rowstats,
+                                                             block_stats), inputs, stats)
         except Exception:  # noqa: BLE001 — a compiler error or resources: the Triton kernel serves
             if self.gluon_launched or os.environ.get("FLASHLIGHT_STRICT") == "1":
                 raise
@@ -210,17 +218,29 @@ class CompiledRegion:
         self.gluon_launched = True
         return True
 
-    def gluon_kernel(self, inputs: list[torch.Tensor]):
-        """The Gluon forward if this launch may run it (``runtime.gluon.usable``), else None;
-        compiled at the first launch that may."""
-        mode = gluon.mode()
-        if self.gfwd is False or mode == "0" or not inputs[0].is_cuda or interpreting() \
-                or (mode != "all" and self.gluon_slower) or not gluon.hopper(inputs[0].device) \
-                or not gluon.usable(self.region, inputs):
-            return None
+    def gluon_ready(self) -> bool:
+        """Is the Gluon forward compiled? By default it compiles on a background thread
+        (``runtime.background``: its code generation, import and Triton compile), submitted
+        right after the first call's Triton launch, and the Triton kernel serves every call
+        until it is done (a tiered JIT); its error, if any, is raised here, at the first launch
+        after it. With ``FLASHLIGHT_BACKGROUND=0`` the first launch generates it and its own
+        launch compiles it, blocking."""
         if self.gfwd is None:
-            self.gfwd = compile_gluon(self) or False
-        return self.gfwd or None
+            if background.enabled():
+                if self.gluon_compile is None or not self.gluon_compile.done():
+                    return False
+                self.gfwd = self.gluon_compile.result() or False
+            else:
+                self.gfwd = compile_gluon(self) or False
+        return bool(self.gfwd)
+
+    def gluon_applies(self, inputs: list[torch.Tensor]) -> bool:
+        """May this launch run the Gluon forward (sm_90, ``FLASHLIGHT_GLUON``, where it measured
+        faster, ``runtime.gluon.usable``), unless it has none or it failed?"""
+        mode = gluon.mode()
+        return not (self.gfwd is False or mode == "0" or not inputs[0].is_cuda or interpreting()
+                    or (mode != "all" and self.gluon_slower) or not gluon.hopper(inputs[0].device)
+                    or not gluon.usable(self.region, inputs))
 
     @functools.cached_property
     def gluon_slower(self) -> bool:
@@ -513,6 +533,15 @@ def compile_gluon(c: CompiledRegion):
     name = f"fl_gfwd_{source_hash(source)}"
     module, _ = load_module(name, source.replace(placeholder, name))
     return getattr(module, name)
+
+
+def compile_gluon_for(c: CompiledRegion, args: list, inputs: list[torch.Tensor], stats: bool):
+    """``compile_gluon``, then Triton's compile of the kernel for this launch's specialisation
+    (no launch): the background task of ``CompiledRegion.gluon_ready``."""
+    kernel = compile_gluon(c)
+    if kernel is not None:
+        gluon.compile_for(kernel, c.region, args, inputs, stats)
+    return kernel
 
 
 def compile_backward(c: CompiledRegion) -> None:
