@@ -79,7 +79,7 @@ class RegionReport:
     skipped: float | None = None     # fraction of key blocks the kernel skipped on these inputs
     backward: str = ""               # which backward the region uses, and why
     backward_source: str = ""        # the generated backward kernel ("" for the reference VJP)
-    hopper: str = ""                 # the forward on an sm_90 GPU: Gluon or Triton, and why
+    hopper: str = ""                 # the forward (and dK/dV kernel) on an sm_90 GPU: Gluon or Triton, and why
 
     def __str__(self) -> str:
         s = ", ".join(f"{k}={v}" for k, v in self.shapes.items())
@@ -107,8 +107,9 @@ def region_report(c) -> RegionReport:
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
     backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
         f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
+    hopper = hopper_forward(r) + (f"; {hopper_dkdv(r)}" if c.bwd_kernel is not None else "")
     return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
-                        backward, c.bwd_source, hopper_forward(r))
+                        backward, c.bwd_source, hopper)
 
 
 def hopper_forward(r: Region) -> str:
@@ -116,6 +117,15 @@ def hopper_forward(r: Region) -> str:
     from .codegen.gluon import gluon_pays, gluon_support
     why = gluon_support(r) or gluon_pays(r)
     return f"Triton kernel ({why})" if why else "Gluon forward (warp-specialised), when K and V are whole [key, head] rows"
+
+
+def hopper_dkdv(r: Region) -> str:
+    """Which dK/dV kernel of the generated backward an sm_90 GPU runs (``codegen.gluon_backward``)."""
+    from .codegen.gluon import gluon_pays
+    from .codegen.gluon_backward import dkdv_support
+    why = dkdv_support(r) or gluon_pays(r)
+    return f"Triton dK/dV kernel ({why})" if why else \
+        "Triton dK/dV kernel (FLASHLIGHT_GLUON_DKDV=1: a warp-specialised Gluon one, not yet run on a GPU)"
 
 
 def explain(fn, *args, **kwargs) -> Report:

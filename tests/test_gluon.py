@@ -14,7 +14,9 @@ import torch
 import flashlight
 from benchmarks.offline import capture
 from flashlight.codegen.gluon import gluon_pays, gluon_support
+from flashlight.codegen.gluon_backward import dkdv_support
 from flashlight.examples import VARIANTS
+from flashlight.runtime import backward as rb
 from flashlight.runtime import gluon as rg
 from flashlight.runtime import op as rt
 
@@ -32,9 +34,9 @@ def region(monkeypatch):
 
 @pytest.mark.parametrize("name", ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi",
                                   "softcap", "gated", "hand_softmax"])
-def test_one_softmax_regions_have_a_gluon_forward(region, name):
+def test_one_softmax_regions_have_a_gluon_forward_and_dkdv_kernel(region, name):
     c, _ = region(name)
-    assert gluon_support(c.region) == ""
+    assert gluon_support(c.region) == "" and dkdv_support(c.region) == ""
 
 
 @pytest.mark.parametrize("name,d,why", [
@@ -94,20 +96,26 @@ def test_a_failed_first_gluon_launch_falls_back(region, monkeypatch):
     raised."""
     monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")
     c, inputs = region("causal")
-    outs, rowstats = c.new_outputs(inputs[0]), torch.empty(c.rowstats_shape)
+    events = []
 
     def broken(*args):
         raise RuntimeError("ptxas failed")
+    monkeypatch.setattr(rt, "compile_gluon", lambda c: object())
     monkeypatch.setattr(rg, "launch", broken)
-    c.gfwd = object()
+    monkeypatch.setattr(rt, "launch_kernel", lambda *args: events.append("triton"))
+    monkeypatch.setattr(rt.CompiledRegion, "gluon_applies", lambda self, inputs: self.gfwd.kernel is not False)
+    cfg = c.default_config()
     monkeypatch.setenv("FLASHLIGHT_STRICT", "1")
-    with pytest.raises(RuntimeError):
-        c.launch_gluon(inputs, outs, rowstats, True, None)
+    with pytest.raises(RuntimeError, match="ptxas"):
+        c.launch(inputs, cfg)
     monkeypatch.delenv("FLASHLIGHT_STRICT")
-    assert c.launch_gluon(inputs, outs, rowstats, True, None) is False and c.gfwd is False
-    c.gfwd, c.gluon_launched = object(), True
-    with pytest.raises(RuntimeError):
-        c.launch_gluon(inputs, outs, rowstats, True, None)
+    c.gfwd = rt.background.Tier()
+    c.launch(inputs, cfg)
+    c.launch(inputs, cfg)
+    assert events == ["triton"] * 2 and c.gfwd.kernel is False
+    c.gfwd = rt.background.Tier(kernel=object(), launched=True)
+    with pytest.raises(RuntimeError, match="ptxas"):
+        c.launch(inputs, cfg)
 
 
 def test_the_gluon_kernel_compiles_in_the_background(region, monkeypatch):
@@ -125,23 +133,23 @@ def test_the_gluon_kernel_compiles_in_the_background(region, monkeypatch):
     monkeypatch.setattr(rt, "compile_gluon_for", compile_for)
     monkeypatch.setattr(rt, "launch_kernel", lambda *args: events.append("triton"))
     monkeypatch.setattr(rg, "launch", lambda k, *args: events.append("gluon" if k is kernel else "?"))
-    monkeypatch.setattr(rt.CompiledRegion, "gluon_applies", lambda self, inputs: self.gfwd is not False)
+    monkeypatch.setattr(rt.CompiledRegion, "gluon_applies", lambda self, inputs: self.gfwd.kernel is not False)
     cfg = c.default_config()
     c.launch(inputs, cfg)
-    assert events[0] == "triton" and c.gluon_compile is not None and c.gfwd is None
+    assert events[0] == "triton" and c.gfwd.future is not None and c.gfwd.kernel is None
     c.launch(inputs, cfg)        # still compiling
     go.set()
     flashlight.wait()
     c.launch(inputs, cfg)
     assert [e for e in events if e != "compile"] == ["triton", "triton", "gluon"] and events.count("compile") == 1
-    assert c.gfwd is kernel and c.gluon_launched
+    assert c.gfwd.kernel is kernel and c.gfwd.launched
 
     def broken(*args):
         raise RuntimeError("ptxas failed")
     monkeypatch.setattr(rt, "compile_gluon_for", broken)
     for strict in ("1", "0"):
         monkeypatch.setenv("FLASHLIGHT_STRICT", strict)
-        c.gfwd, c.gluon_launched, c.gluon_compile = None, False, None
+        c.gfwd = rt.background.Tier()
         events.clear()
         c.launch(inputs, cfg)
         flashlight.wait()
@@ -151,7 +159,7 @@ def test_the_gluon_kernel_compiles_in_the_background(region, monkeypatch):
         else:
             c.launch(inputs, cfg)
             c.launch(inputs, cfg)
-            assert events == ["triton"] * 3 and c.gfwd is False
+            assert events == ["triton"] * 3 and c.gfwd.kernel is False
 
 
 def test_generated_gluon_compiles_for_sm90():
@@ -180,8 +188,8 @@ def test_explain_says_which_forward_hopper_runs(region):
 
 
 def test_gluon_backward_prototype_compiles_for_sm90():
-    """benchmarks/gluon_backward.py (not yet run on a GPU) keeps compiling: async wgmma, no
-    serialisation."""
+    """benchmarks/gluon_backward.py (the hand-written dK/dV kernel the generated one follows)
+    keeps compiling: async wgmma, no serialisation."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "benchmarks.gluon_backward", "--offline"], capture_output=True,
                          text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
@@ -189,3 +197,113 @@ def test_gluon_backward_prototype_compiles_for_sm90():
     lines = [line for line in res.stdout.splitlines() if line.startswith("D=128")]
     assert len(lines) == 2 and all("'serialized': False" in x for x in lines), res.stdout
     assert "'HGMMA': 48" in lines[0] and "'HGMMA': 96" in lines[1], res.stdout     # causal: masked, unmasked loops
+
+
+# -- the dK/dV kernel of the generated backward (codegen/gluon_backward.py) ---------------------
+@pytest.mark.parametrize("name,why", [
+    ("diff_attention", "one score tile"), ("sinks", "one online softmax"), ("cross_attention", "whole rows")])
+def test_other_regions_keep_the_triton_dkdv_kernel(region, name, why):
+    c, _ = region(name)
+    assert why in dkdv_support(c.region)
+
+
+def test_a_score_program_without_a_gradient_keeps_the_triton_dkdv_kernel():
+    """softmax(floor(s)) @ v: no gradient reaches the score tile (only dV), so there is no dK to
+    accumulate; the Gluon writer would need one. (Captured on CPU tensors: the meta capture
+    helper cannot evaluate floor.)"""
+    rt.REGISTRY.clear()
+    q, k, v = (torch.randn(1, 1, 128, 64, dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        torch.compile(lambda q, k, v: torch.softmax(torch.floor(q @ k.mT) * 0.125, -1) @ v,
+                      backend="flashlight")(q, k, v)
+    (c,) = rt.REGISTRY.values()
+    assert gluon_support(c.region) == "" and "no gradient reaches" in dkdv_support(c.region)
+    rt.REGISTRY.clear()
+
+
+def test_a_learned_bias_keeps_the_triton_dkdv_kernel(region):
+    """A bias that takes a gradient is scattered per tile by the Triton dK/dV kernel."""
+    def make_inputs(B, H, M, N, D, dtype, device):
+        q, k, v = (torch.randn(B, H, n, D, dtype=dtype, device=device) for n in (M, N, N))
+        return q, k, v, torch.randn(H, M, N, dtype=dtype, device=device)
+    mod = SimpleNamespace(make_inputs=make_inputs, attention=lambda q, k, v, bias: torch.softmax(
+        (q @ k.mT + bias) * 0.125, -1) @ v)
+    c, _ = capture(mod, 1, 2, 256, 128)
+    assert gluon_support(c.region) == "" and "take gradients" in dkdv_support(c.region)
+
+
+def test_dkdv_launch_checks_the_layouts(region):
+    """Whole 64-query and 128-key blocks, Q, K and V as rows, dR one [rows, DV] tile of 16 bits."""
+    c, inputs = region("causal")
+    ddot = torch.empty(2, 256, 128, dtype=torch.bfloat16)
+    grads = [torch.empty_like(inputs[1]), torch.zeros(inputs[2].shape)]     # a stored dK, an fp32 dV buffer
+    rows = [torch.empty(1, 2, 256, 2)]
+
+    def usable(inputs=inputs, ddot=ddot, grads=grads, rows=rows, c=c):
+        return rg.dkdv_usable(c.region, inputs, ddot, grads, rows)
+    assert usable()
+    assert not usable(ddot=ddot.float())
+    assert not usable(ddot=torch.empty(2, 256, 256, dtype=torch.bfloat16))
+    assert not usable(inputs=[inputs[0].transpose(2, 3).contiguous().transpose(2, 3), *inputs[1:]])
+    assert not usable(grads=[grads[0].transpose(2, 3).contiguous().transpose(2, 3)])
+    assert not usable(grads=[torch.empty(2 * 256 * 128 + 1)[1:].view(1, 2, 256, 128)])
+    assert not usable(rows=[torch.empty(1, 2, 256, 3)[..., :2]])
+    ragged, ragged_inputs = region("causal", 128, 200)
+    assert not usable(c=ragged, inputs=ragged_inputs, ddot=torch.empty(2, 200, 128, dtype=torch.bfloat16))
+
+
+def test_the_gluon_dkdv_kernel_compiles_in_the_background(region, monkeypatch):
+    """As the forward's: the first backward runs the Triton dK/dV kernel and then submits the
+    Gluon kernel's compile; later backwards run the Gluon kernel once it is ready; a failed
+    compile leaves the Triton kernel for good."""
+    c, inputs = region("causal")
+    k = c.backward_kernels()
+    events, kernel = [], object()
+    monkeypatch.setattr(type(k), "gluon_dkdv_applies", lambda self, inputs, ddot, grads, rows: self.gdkdv.kernel is not False)
+    monkeypatch.setattr(rb, "compile_gluon_dkdv_for", lambda *args: events.append("compile") or kernel)
+    monkeypatch.setattr(rg, "launch_dkdv", lambda kern, *args: events.append("gluon" if kern is kernel else "?"))
+    rowstats = torch.zeros(c.rowstats_shape)
+    drows = (torch.zeros(c.rowstats_shape), torch.zeros(*k.ddot_shape, dtype=torch.bfloat16))
+    bufs = k.buffers(inputs)
+
+    def step():
+        k.run_dkdv(inputs, rowstats, drows, bufs, {}, lambda: events.append("triton"))
+    step()
+    flashlight.wait()
+    step()
+    assert events == ["triton", "compile", "gluon"] and k.gdkdv.launched
+
+    def broken(*args):
+        raise RuntimeError("ptxas failed")
+    monkeypatch.setattr(rb, "compile_gluon_dkdv_for", broken)
+    for strict in ("1", "0"):
+        monkeypatch.setenv("FLASHLIGHT_STRICT", strict)
+        k.gdkdv = rt.background.Tier()
+        events.clear()
+        step()
+        flashlight.wait()
+        if strict == "1":
+            with pytest.raises(RuntimeError, match="ptxas"):
+                step()
+        else:
+            step()
+            step()
+            assert events == ["triton"] * 3 and k.gdkdv.kernel is False
+
+
+def test_generated_gluon_dkdv_compiles_for_sm90():
+    """The dK/dV kernel of three regions as the runtime would launch it (the Triton kernel's
+    arguments, the descriptors, the constexprs), compiled to cubins in a process of its own:
+    warp-specialised, async wgmma; causal has its masked and mask-free loops (twice the
+    products of the mask-free vanilla), ALiBi loads its per-head slope in the partition."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.offline", "--variants", "vanilla,causal,alibi",
+                          "--b", "1", "--h", "2", "--n", "256", "--d", "128", "--kernels", "gdkdv"],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.splitlines() if " gdkdv " in line]
+    assert [r[0] for r in rows] == ["vanilla", "causal", "alibi"], res.stdout
+    hgmma = {r[0]: next(x for x in r if x.startswith("HGMMA=")) for r in rows}
+    assert hgmma == {"vanilla": "HGMMA=48", "causal": "HGMMA=96", "alibi": "HGMMA=96"}, res.stdout
+    for r in rows:      # variant gdkdv gluon secs regs spills smem async sass...
+        assert r[7] == "async" and any(x.startswith("UTMALDG=") for x in r), r

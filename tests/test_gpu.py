@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashlight
+from flashlight.codegen.gluon_backward import dkdv_support
 from flashlight.examples import VARIANTS
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import rel_error, to64
@@ -101,6 +102,7 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("Gluon kernels are for sm_90")
     monkeypatch.setenv("FLASHLIGHT_GLUON", "all")      # also where the Triton kernel is the default
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "all")
     monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")   # the first call runs it
     mod = VARIANTS[name]
     torch.manual_seed(0)
@@ -108,9 +110,11 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
     leaves = [x.requires_grad_() for x in inputs if x.is_floating_point()]
     fn = torch.compile(mod.attention, backend="flashlight", dynamic=False)
     out = fn(*inputs)
-    assert any(c.gluon_launched for c in REGISTRY.values()), "the Gluon kernel did not run"
+    assert any(c.gfwd.launched for c in REGISTRY.values()), "the Gluon kernel did not run"
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, dout)
+    (c,) = REGISTRY.values()      # the Gluon dK/dV kernel too, where the region has one
+    assert c.bwd_kernel.gdkdv.launched == (dkdv_support(c.region) == ""), dkdv_support(c.region)
     ref_in = [to64(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
     ref = mod.attention(*ref_in)
     ref_grads = torch.autograd.grad(ref, [x for x in ref_in if x.is_floating_point()], to64(dout).nan_to_num(0))
@@ -118,6 +122,10 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
     assert rel_error(out, ref) < FWD_TOL
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
         assert rel_error(g, r.nan_to_num(0)) < GRAD_TOL, (i, rel_error(g, r))
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "0")     # the Triton dK/dV kernel on the same row statistics
+    triton_grads = torch.autograd.grad(fn(*inputs), leaves, dout)
+    for i, (g, t) in enumerate(zip(grads, triton_grads)):
+        assert rel_error(g, t.double()) < GRAD_TOL, (i, rel_error(g, t.double()))
     monkeypatch.setenv("FLASHLIGHT_GLUON", "0")
     with torch.no_grad():
         triton_out = fn(*inputs)
@@ -139,14 +147,14 @@ def test_gluon_forward_ragged_queries_and_fallbacks(monkeypatch):
     with torch.no_grad():
         out = torch.compile(mod.attention, backend="flashlight", dynamic=False)(q, k, v)
     assert rel_error(out, mod.attention(*(to64(x) for x in (q, k, v)))) < FWD_TOL
-    assert any(c.gluon_launched for c in REGISTRY.values())
+    assert any(c.gfwd.launched for c in REGISTRY.values())
     for name, kw in (("vanilla", dict(M=300)), ("cross_attention", dict(M=128, N=256))):
         REGISTRY.clear()
         inputs = [x.cuda() for x in VARIANTS[name].make_inputs(B=2, H=4, D=64, dtype=torch.bfloat16, **kw)]
         with torch.no_grad():
             out = torch.compile(VARIANTS[name].attention, backend="flashlight", dynamic=False)(*inputs)
         assert rel_error(out, VARIANTS[name].attention(*(to64(x) for x in inputs))) < FWD_TOL
-        assert not any(c.gfwd for c in REGISTRY.values()), name
+        assert not any(c.gfwd.launched for c in REGISTRY.values()), name
 
 
 def test_gluon_compiles_in_the_background(monkeypatch):
@@ -165,10 +173,10 @@ def test_gluon_compiles_in_the_background(monkeypatch):
     with torch.no_grad():
         first = fn(q, k, v)
         (c,) = REGISTRY.values()
-        assert not c.gluon_launched and c.gluon_compile is not None
+        assert not c.gfwd.launched and c.gfwd.future is not None
         flashlight.wait()
         second = fn(q, k, v)
-    assert c.gluon_launched
+    assert c.gfwd.launched
     assert rel_error(first, ref) < FWD_TOL and rel_error(second, ref) < FWD_TOL
 
 
@@ -192,4 +200,32 @@ def test_gluon_declines_what_its_copies_cannot_read(monkeypatch):
         with torch.no_grad():
             out = torch.compile(fn, backend="flashlight", dynamic=False)(*args)
         assert rel_error(out, fn(*(to64(x) for x in args))) < FWD_TOL
-        assert not any(c.gfwd for c in REGISTRY.values())
+        assert not any(c.gfwd.launched for c in REGISTRY.values())
+
+
+@pytest.mark.parametrize("name,D,M,N", [("causal", 128, 1024, 1024), ("vanilla", 64, 512, 1024),
+                                        ("prefix_lm", 128, 640, 640), ("causal", 128, 200, 256)])
+def test_gluon_dkdv_long_loops_and_fallbacks(name, D, M, N, monkeypatch):
+    """The Gluon dK/dV kernel over many query blocks (16 per program: the ring's phases wrap
+    eight times), fewer queries than keys (cross lengths), and a ragged M (200 queries: not whole
+    64-row blocks) that keeps the Triton dK/dV kernel; gradients against float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Gluon kernels are for sm_90")
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "all")
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "all")
+    monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")
+    mod = VARIANTS[name]
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    fn = torch.compile(mod.attention, backend="flashlight", dynamic=False)
+    out = fn(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    (c,) = REGISTRY.values()
+    assert c.bwd_kernel.gdkdv.launched == (M % 64 == 0)
+    ref_in = [to64(x).detach().requires_grad_() for x in (q, k, v)]
+    ref = mod.attention(*ref_in)
+    ref_grads = torch.autograd.grad(ref, ref_in, to64(dout))
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))

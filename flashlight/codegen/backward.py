@@ -553,38 +553,50 @@ class DKDVWriter(TileWriter):
         self.score_grads(loop, adjoints, operands)
         return loop.lines
 
-    def query_loop(self) -> list[str]:
-        """The loops over query blocks: with a useful mask only [first live, last live] query
-        block of this key block — the forward's dead predicate, interval-tested for every query
-        block at once (a skipped tile contributes exactly zero to every gradient) — as a
-        mask-free middle and one loop over the masked head and tail (``block_loops``); without
-        one, full blocks then the ragged tail.
-        Blocks are mask-free only in a complete key block."""
-        dead = dead_predicate(self.r, self.r.passes()[0])
-        keep = full_predicate([self.r.reductions[j].body for j in self.plan.members])
+    def predicates(self) -> tuple:
+        """The forward's dead predicate (a tile it holds is skipped) and the bodies' full
+        predicate (a tile it holds takes the mask-free bodies)."""
+        return (dead_predicate(self.r, self.r.passes()[0]),
+                full_predicate([self.r.reductions[j].body for j in self.plan.members]))
+
+    def query_scan(self) -> tuple[str, str, str, str]:
+        """The bounds (lo, hi, f0, f1), in query blocks, of this key block's live query blocks
+        [lo, hi) and of the mask-free run [f0, f1) inside them, computed by lines added to the
+        kernel's prologue. With a useful mask: [first live, last live] query block — the
+        forward's dead predicate, interval-tested for every query block at once (a skipped tile
+        contributes exactly zero to every gradient) — and its first run of full blocks; without
+        one, every block, all mask-free but a ragged tail. Blocks are mask-free only in a
+        complete key block."""
+        dead, keep = self.predicates()
         f = self.em.fresh
         lo, hi, f0, f1 = f("lo"), f("hi"), f("f"), f("f")
         n_whole = "(n_hi - n_lo == BLOCK_N - 1)"
         if not (self.sparse and useful(dead)):
             whole = f"tl.where({n_whole}, M // BLOCK_M, 0)" if keep == TRUE else "0"
             self.outer.lines += [f"{lo} = 0", f"{f0} = 0", f"{f1} = {whole}", f"{hi} = tl.cdiv(M, BLOCK_M)"]
-        else:
-            scan = ["pid_m = tl.arange(0, SCAN_BLOCKS)     # every query block, as a vector",
-                    "mblk_valid = pid_m < tl.cdiv(M, BLOCK_M)",
-                    "m_lo = pid_m * BLOCK_M",
-                    "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1"]
-            iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh, vector="m")
-            live = iw.live(dead)
-            _, may_f = iw.truth(keep)
-            ff, fe = f("ff"), f("fe")
-            full_v = (f"({may_f} == 0) & mblk_live & (m_hi - m_lo == BLOCK_M - 1) & {n_whole}"
-                      if may_f != "True" else "pid_m < 0")
-            self.outer.lines += [f"# block sparsity: visit only query blocks where not {short_expr(dead)}", *scan,
-                                 f"mblk_live = ({live}) & mblk_valid & blk_valid",
-                                 f"mblk_full = {full_v}",
-                                 *segment_bounds("pid_m", "mblk_live", "mblk_full", (lo, hi, ff, fe, f0, f1))]
+            return lo, hi, f0, f1
+        scan = [f"pid_m = {self.arange('SCAN_BLOCKS', 'rows')}     # every query block, as a vector",
+                "mblk_valid = pid_m < tl.cdiv(M, BLOCK_M)",
+                "m_lo = pid_m * BLOCK_M",
+                "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1"]
+        iw = IntervalWriter(self.r, self.stats, scan, self.em.fresh, vector="m", arange=lambda n: self.arange(n, "cols"))
+        live = iw.live(dead)
+        _, may_f = iw.truth(keep)
+        ff, fe = f("ff"), f("fe")
+        full_v = (f"({may_f} == 0) & mblk_live & (m_hi - m_lo == BLOCK_M - 1) & {n_whole}"
+                  if may_f != "True" else "pid_m < 0")
+        self.outer.lines += [f"# block sparsity: visit only query blocks where not {short_expr(dead)}", *scan,
+                             f"mblk_live = ({live}) & mblk_valid & blk_valid",
+                             f"mblk_full = {full_v}",
+                             *segment_bounds("pid_m", "mblk_live", "mblk_full", (lo, hi, ff, fe, f0, f1))]
+        return lo, hi, f0, f1
+
+    def query_loop(self) -> list[str]:
+        """The loops over this key block's live query blocks (``query_scan``): a mask-free middle
+        and one loop over the masked head and tail (``block_loops``)."""
+        lo, hi, f0, f1 = self.query_scan()
         segs = [(lo, f0, False), (f0, f1, True), (f1, hi, False)]
-        return block_loops("start_m", "BLOCK_M", segs, self.query_block, f("i"))
+        return block_loops("start_m", "BLOCK_M", segs, self.query_block, self.em.fresh("i"))
 
     def signature(self) -> list[str]:
         return self.common_args("dkdv") + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",

@@ -150,6 +150,40 @@ def banded(dead, region: Region) -> bool:
     return e.op == "const" and e.args[0] is True
 
 
+# the block scan's layouts: scanned blocks along rows, a block's statistics entries along columns
+SCAN_LAYOUTS = ["SCAN2: tl.constexpr = tl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])",
+                "SCAN_ROWS: tl.constexpr = tl.SliceLayout(1, SCAN2)",
+                "SCAN_COLS: tl.constexpr = tl.SliceLayout(0, SCAN2)"]
+
+
+def scan_arange(n: str, axis: str) -> str:
+    """``KernelWriter.arange`` for Gluon: a block scan's range with its layout."""
+    return f"tl.arange(0, {n}, layout={'SCAN_ROWS' if axis == 'rows' else 'SCAN_COLS'})"
+
+
+def check_layouts(lines: list[str]) -> None:
+    """Every tensor a Gluon kernel's prologue makes needs a layout (the scan's code is shared
+    with the Triton kernels): a CodegenError where one has none."""
+    for line in lines:
+        if "tl.full(" in line or "tl.zeros(" in line or ("tl.arange(" in line and "layout=" not in line):
+            raise CodegenError(f"scan code without a Gluon layout: {line}")
+
+
+def row_base(em, e, block: Block) -> str:
+    """Element offset of a bulk operand's batch indices (``bulk_operand``: its rows start there)."""
+    i, idx = e.args
+    terms = [f"{em.emit(x, GCTX_S, block)} * in{i}_s{d}" for d, x in enumerate(idx[:-2])
+             if not (x.op == "const" and x.args[0] == 0)]
+    return " + ".join(terms) or "0"
+
+
+def descriptor_row(em, e, block: Block) -> str:
+    """The int32 row of a bulk operand's first [row, head] tile in its descriptor (TMA
+    coordinates are 32-bit: the runtime keeps every descriptor under 2^31 rows)."""
+    i, idx = e.args
+    return f"(({row_base(em, e, block)}) // in{i}_s{len(idx) - 2}).to(tl.int32)"
+
+
 class GluonWriter(KernelWriter):
     """The Gluon module of one region (``generate_gluon``): a loader, a compute warpgroup body
     (emitted once, instantiated for warpgroups 0 and 1) and the kernel, which runs the block scan
@@ -165,7 +199,7 @@ class GluonWriter(KernelWriter):
         self.mask_free = False           # no mask: every (whole) key block takes the mask-free bodies
 
     def arange(self, n: str, axis: str) -> str:
-        return f"tl.arange(0, {n}, layout={'SCAN_ROWS' if axis == 'rows' else 'SCAN_COLS'})"
+        return scan_arange(n, axis)
 
     # -- the kernel: batch indices, block scan, buffers, partitions ----------------------------
     def scan(self) -> None:
@@ -174,10 +208,7 @@ class GluonWriter(KernelWriter):
         program's K and V start in their descriptors."""
         r, out = self.r, self.outer
         out.lines += ["pid_m = tl.program_id(0)", *batch_index(len(r.batch)),
-                      "m_lo = pid_m * BLOCK_M", "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1",
-                      "SCAN2: tl.constexpr = tl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])",
-                      "SCAN_ROWS: tl.constexpr = tl.SliceLayout(1, SCAN2)",
-                      "SCAN_COLS: tl.constexpr = tl.SliceLayout(0, SCAN2)"]
+                      "m_lo = pid_m * BLOCK_M", "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1", *SCAN_LAYOUTS]
         loops = self.segments([0, 1, 2])
         segs = loops[0][1]
         if len(segs) == 3:          # a useful mask: masked head, mask-free middle, masked tail
@@ -188,13 +219,9 @@ class GluonWriter(KernelWriter):
         else:                       # every block mask-free but a ragged last one
             lo, f0, f1, hi = "0", "0", "N // BLOCK_N", "tl.cdiv(N, BLOCK_N)"
         self.mask_free = len(loops) == 2     # (and no ragged block: ``runtime.gluon.usable``)
-        for line in out.lines:
-            if "tl.full(" in line or "tl.zeros(" in line or ("tl.arange(" in line and "layout=" not in line):
-                raise CodegenError(f"scan code without a Gluon layout: {line}")
+        check_layouts(out.lines)
         k, v = r.dots[0].k, r.reductions[2].v
-        # (TMA coordinates are 32-bit: the runtime keeps every descriptor under 2^31 rows)
-        out.lines += [f"k_row = (({self.row_base(k)}) // in{k.args[0]}_s{len(k.args[1]) - 2}).to(tl.int32)",
-                      f"v_row = (({self.row_base(v)}) // in{v.args[0]}_s{len(v.args[1]) - 2}).to(tl.int32)",
+        out.lines += [f"k_row = {descriptor_row(self.em, k, out)}", f"v_row = {descriptor_row(self.em, v, out)}",
                       f"lo = {lo}", f"hi = tl.maximum({hi}, lo)", f"f0 = {f0}", f"f1 = {f1}",
                       "stats = tl.to_tensor(STATS)"]
 
@@ -236,13 +263,6 @@ class GluonWriter(KernelWriter):
             f"    ({self.name}_compute1, compute_args),",
             "], [4, 4], [240, 240])",
         ]
-
-    def row_base(self, e) -> str:
-        """Element offset of a bulk operand's batch indices (its rows start there)."""
-        i, idx = e.args
-        terms = [f"{self.em.emit(x, GCTX_S, self.outer)} * in{i}_s{d}" for d, x in enumerate(idx[:-2])
-                 if not (x.op == "const" and x.args[0] == 0)]
-        return " + ".join(terms) or "0"
 
     def compute_params(self) -> list[str]:
         """What a compute warpgroup reads: every pointer, stride and size of the signature, the
@@ -390,18 +410,23 @@ class GluonWriter(KernelWriter):
         self.scan()             # first: the scan adds the block statistics' arguments
         compute = self.compute_function()
         self.fork()
-        params = self.compute_params()
-        wrappers = "".join(
-            f"\n\n@gluon.jit\ndef {self.name}_compute{w}({', '.join(params)}):\n"
-            f"    {self.name}_compute({w}, {', '.join(params)})\n" for w in (0, 1))
         sig = [a for a in self.signature() if a not in ("EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr",
                                                         "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr")]
         sig += ["k_desc", "v_desc", "STAGES: tl.constexpr"]
-        doc = "\n".join("    # " + line for line in self.r.describe(sizes=False).splitlines())
-        body = "\n".join("    " + x for x in self.outer.lines)
-        kernel = f"@gluon.jit\ndef {self.name}(\n" + ",\n".join("    " + a for a in sig) + f",\n):\n{doc}\n{body}\n"
-        return (GLUON_PRELUDE + HELPERS + "\n\n" + LOADER.format(name=self.name) + "\n\n\n" + compute + wrappers
-                + "\n\n" + kernel)
+        return gluon_module(self, sig, LOADER.format(name=self.name), compute)
+
+
+def gluon_module(w: KernelWriter, signature: list[str], loader: str, compute: str) -> str:
+    """The source of a warp-specialised Gluon module: the loader partition, the compute
+    warpgroup body ``compute`` (``{name}_compute``, its first argument the warpgroup), its
+    wrappers for warpgroups 0 and 1, and the kernel (``w.outer``'s lines), which forks them."""
+    params = ", ".join(w.compute_params())
+    wrappers = "".join(f"\n\n@gluon.jit\ndef {w.name}_compute{g}({params}):\n    {w.name}_compute({g}, {params})\n"
+                       for g in (0, 1))
+    doc = "\n".join("    # " + line for line in w.r.describe(sizes=False).splitlines())
+    body = "\n".join("    " + x for x in w.outer.lines)
+    kernel = f"@gluon.jit\ndef {w.name}(\n" + ",\n".join("    " + a for a in signature) + f",\n):\n{doc}\n{body}\n"
+    return GLUON_PRELUDE + HELPERS + "\n\n" + loader + "\n\n\n" + compute + wrappers + "\n\n" + kernel
 
 
 GLUON_PRELUDE = '''import triton

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -58,3 +59,45 @@ def wait() -> None:
         future.exception()
     with _LOCK:
         _PENDING[:] = [f for f in _PENDING if not f.done()]
+
+
+@dataclass
+class Tier:
+    """A faster kernel that takes over from a region's default one once it is compiled (the
+    Gluon forward over the Triton forward, the Gluon dK/dV over the Triton dK/dV). The default
+    kernel is always there; the tier never fails a call: a compile or first-launch error leaves
+    the default kernel serving for good (``FLASHLIGHT_STRICT=1`` raises instead)."""
+    kernel: object = None           # the compiled kernel; None: not yet; False: none, or it failed
+    future: Future | None = None    # its background compile (``submit_after``)
+    launched: bool = False          # it launched once: later errors are real errors
+
+    def launch(self, compile_now, run) -> bool:
+        """``run(kernel)`` if the kernel is ready; False where the default kernel serves this
+        call instead. ``compile_now()`` makes the kernel when compiles block
+        (``FLASHLIGHT_BACKGROUND=0``); by default it comes from the background compile, and its
+        error, if any, is raised here, at the first launch after it."""
+        try:
+            if self.kernel is None:
+                if enabled():
+                    if self.future is None or not self.future.done():
+                        return False
+                    self.kernel = self.future.result() or False
+                else:
+                    self.kernel = compile_now() or False
+            if not self.kernel:
+                return False
+            run(self.kernel)
+        except Exception:  # noqa: BLE001 — a compiler error or resources: the default kernel serves
+            if self.launched or os.environ.get("FLASHLIGHT_STRICT") == "1":
+                raise
+            self.kernel = False
+            return False
+        self.launched = True
+        return True
+
+    def submit_after(self, compile_for, device: torch.device, *args) -> None:
+        """Called right after the default kernel's launch (whose compile is the first call's
+        critical path): ``compile_for(*args)`` on a compile thread, once, returning the kernel
+        compiled for that launch's specialisation."""
+        if self.kernel is None and self.future is None and enabled():
+            self.future = submit(compile_for, device, *args)

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..codegen.backward import KernelStats
+from ..codegen.emit import CodegenError
+from ..codegen.gluon import gluon_pays
+from ..codegen.gluon_backward import dkdv_support, generate_gluon_dkdv
 from ..codegen.gradients import GradPlan
 from ..ir import Region
 from ..tune import Config, cdiv, head_block, pow2
-from . import descriptors
+from . import background, descriptors, gluon
 from .buffers import unwritten
+from .cache import load_module, source_hash
 
 
 @dataclass
@@ -28,6 +33,7 @@ class BackwardKernels:
     dkdv: object
     dq: object
     metas: dict = field(default_factory=dict)      # (kernel, config, TMA) -> (grid, launch_meta)
+    gdkdv: background.Tier = field(default_factory=background.Tier)     # the Gluon dK/dV kernel (Hopper)
 
     @functools.cached_property
     def writes(self) -> dict[str | None, list[int]]:
@@ -121,16 +127,85 @@ class BackwardKernels:
     def launch_dq(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
         self.launch_tile("dq", inputs, rowstats, drows, bufs, block_stats, cfg)
 
-    def launch_tile(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        """One tile kernel: ``"dkdv"`` over key blocks, or ``"dq"`` over query blocks."""
-        s = self.stats
-        fn, stats, reqs = (self.dkdv, s.dkdv, s.tma_dkdv) if kernel == "dkdv" else (self.dq, s.dq, s.tma_dq)
+    def tile_args(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict) -> list:
+        """The positional arguments of a tile kernel (``"dkdv"`` or ``"dq"``)."""
         r = self.region
         args = self.common(inputs, bufs, kernel, rowstats, *drows)
-        args += op.block_stat_args(stats, inputs, block_stats) + [*r.batch, r.M, r.N]
+        return args + op.block_stat_args(self.stats.dkdv if kernel == "dkdv" else self.stats.dq, inputs,
+                                         block_stats) + [*r.batch, r.M, r.N]
+
+    def launch_tile(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
+        """One tile kernel: ``"dkdv"`` over key blocks, or ``"dq"`` over query blocks."""
+        fn, reqs = (self.dkdv, self.stats.tma_dkdv) if kernel == "dkdv" else (self.dq, self.stats.tma_dq)
+        args = self.tile_args(kernel, inputs, rowstats, drows, bufs, block_stats)
         tma = descriptors.flag(reqs, inputs)
         grid, meta = self.meta(kernel, cfg, tma)
         op.launch_kernel(fn, grid, args, meta, inputs[0].device if tma else None)
+
+    def run_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, triton_dkdv) -> None:
+        """dK and dV: the Gluon kernel (``codegen/gluon_backward.py``) where it applies and is
+        compiled, else ``triton_dkdv()`` (the Triton kernel under its config), after whose first
+        launch the Gluon kernel compiles in the background (``background.Tier``)."""
+        ddot = drows[1]
+        applies = self.gluon_dkdv_applies(inputs, ddot, [bufs[e.args[0]] for e in self.gluon_dkdv_writes],
+                                          [rowstats, drows[0]])
+        if applies:
+            args = self.tile_args("dkdv", inputs, rowstats, drows, bufs, block_stats)
+            if self.gdkdv.launch(lambda: compile_gluon_dkdv(self),
+                                 lambda kernel: gluon.launch_dkdv(kernel, self.region, args, inputs, ddot)):
+                return
+        triton_dkdv()
+        if applies:
+            self.gdkdv.submit_after(compile_gluon_dkdv_for, inputs[0].device, self, args, inputs, ddot)
+
+    @functools.cached_property
+    def gluon_dkdv_writes(self) -> list:
+        """The K and V loads whose gradients the Gluon dK/dV kernel writes."""
+        return [self.region.dots[0].k, self.region.reductions[2].v] if not self.gluon_dkdv_unsupported else []
+
+    def gluon_dkdv_applies(self, inputs, ddot: torch.Tensor, grads: list[torch.Tensor], rows: list[torch.Tensor]) -> bool:
+        """May this backward run the Gluon dK/dV kernel: sm_90, ``FLASHLIGHT_GLUON_DKDV`` (off by
+        default until measured), a region it supports where the Gluon forward measured faster, a
+        usable layout (``runtime.gluon.dkdv_usable``), unless it failed?"""
+        mode = gluon.mode("dkdv")
+        return not (self.gdkdv.kernel is False or mode == "0" or not inputs[0].is_cuda or op.interpreting()
+                    or not gluon.hopper(inputs[0].device) or (mode != "all" and self.gluon_dkdv_slower)
+                    or self.gluon_dkdv_unsupported or not gluon.dkdv_usable(self.region, inputs, ddot, grads, rows))
+
+    @functools.cached_property
+    def gluon_dkdv_unsupported(self) -> str:
+        return dkdv_support(self.region)
+
+    @functools.cached_property
+    def gluon_dkdv_slower(self) -> str:
+        """Where the Gluon forward is not the default (``gluon_pays``), neither is this kernel
+        (the same schedule: it needs long loops of long products)."""
+        return gluon_pays(self.region)
+
+
+def compile_gluon_dkdv(k: BackwardKernels):
+    """The region's Gluon dK/dV kernel (``codegen.gluon_backward``), or None. Its query scan
+    reads the same block statistics as the Triton dK/dV kernel's (checked here)."""
+    placeholder = "fl_gdkdv"
+    try:
+        source, stats = generate_gluon_dkdv(k.region, placeholder)
+        if stats != k.stats.dkdv:
+            raise CodegenError("the Gluon dK/dV kernel's block statistics differ from the Triton kernel's")
+    except CodegenError:
+        if os.environ.get("FLASHLIGHT_STRICT") == "1":
+            raise
+        return None         # the Triton kernel serves
+    name = f"fl_gdkdv_{source_hash(source)}"
+    module, _ = load_module(name, source.replace(placeholder, name))
+    return getattr(module, name)
+
+
+def compile_gluon_dkdv_for(k: BackwardKernels, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor):
+    """``compile_gluon_dkdv``, then its Triton compile for this launch (the background task)."""
+    kernel = compile_gluon_dkdv(k)
+    if kernel is not None:
+        gluon.compile_dkdv_for(kernel, k.region, args, inputs, ddot)
+    return kernel
 
 
 # at the end: op imports this module (a function-level import would cost ~1 µs on every launch); its launch

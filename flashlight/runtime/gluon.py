@@ -1,10 +1,13 @@
-"""The Gluon forward at run time (``codegen/gluon.py``): when a launch may use it, its tensor
-descriptors, and the launch itself. The Triton kernel stays the fallback: every other GPU, the
-interpreter, and inputs whose layout the descriptors cannot read.
+"""The Gluon kernels at run time (``codegen/gluon.py``, ``codegen/gluon_backward.py``): when a
+launch may use them, their tensor descriptors, and the launches themselves. The Triton kernels
+stay the fallback: every other GPU, the interpreter, and inputs whose layout the descriptors
+cannot read.
 
-``FLASHLIGHT_GLUON`` chooses: ``1`` (the default) where it measured faster than the Triton
-kernel (``codegen.gluon.gluon_pays``), ``all`` wherever it applies (the GPU tests), ``0`` never
-(an A/B in one process: ``benchmarks.run --b-env FLASHLIGHT_GLUON=0``).
+``FLASHLIGHT_GLUON`` chooses: ``1`` (the default) where the Gluon forward measured faster than
+the Triton kernel (``codegen.gluon.gluon_pays``), ``all`` wherever it applies (the GPU tests),
+``0`` never (an A/B in one process: ``benchmarks.run --b-env FLASHLIGHT_GLUON=0``).
+``FLASHLIGHT_GLUON_DKDV`` does the same for the backward's dK/dV kernel, whose default is ``0``
+until a GPU run has checked and timed it.
 """
 from __future__ import annotations
 
@@ -14,12 +17,18 @@ import os
 
 import torch
 
+from ..codegen import gluon_backward as gb
 from ..codegen.gluon import BLOCK_M, BLOCK_N, DTYPES, MAXNREG, STAGES
 from ..ir import Region
 from ..tune import cdiv, pow2
 
-def mode() -> str:
-    """``FLASHLIGHT_GLUON``: "1", "all" or "0" (read per launch: the tests and A/Bs switch it)."""
+
+def mode(kernel: str = "fwd") -> str:
+    """``FLASHLIGHT_GLUON`` for the forward, ``FLASHLIGHT_GLUON_DKDV`` for the dK/dV kernel:
+    "1", "all" or "0" (read per launch: the tests and A/Bs switch them). The dK/dV kernel is off
+    by default: it compiles for sm_90 but has not run on a GPU yet (docs/notes.md, session 11)."""
+    if kernel == "dkdv":
+        return os.environ.get("FLASHLIGHT_GLUON_DKDV", "0")
     return os.environ.get("FLASHLIGHT_GLUON", "1")
 
 
@@ -52,19 +61,19 @@ def descriptor_rows(x: torch.Tensor, n_dim: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(head: int, dtype: torch.dtype):
-    """The shared layout of a [BLOCK_N, head] tile (computed once: half a descriptor's host time)."""
+def _layout(rows: int, head: int, dtype: torch.dtype):
+    """The shared layout of a [rows, head] tile (computed once: half a descriptor's host time)."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_N, head], {torch.bfloat16: gl.bfloat16,
-                                                                  torch.float16: gl.float16}[dtype])
+    return gl.NVMMASharedLayout.get_default_for([rows, head], {torch.bfloat16: gl.bfloat16,
+                                                               torch.float16: gl.float16}[dtype])
 
 
-def descriptor(x: torch.Tensor, n_dim: int):
-    """The [rows, head] descriptor of ``x`` (every element it can address), [BLOCK_N, head] blocks."""
+def descriptor(x: torch.Tensor, n_dim: int, rows: int = BLOCK_N):
+    """The [rows, head] descriptor of ``x`` (every element it can address), [rows, head] blocks."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     head = x.shape[-1]
-    return TensorDescriptor(x, [descriptor_rows(x, n_dim), head], [x.stride(n_dim), 1], [BLOCK_N, head],
-                            _layout(head, x.dtype))
+    return TensorDescriptor(x, [descriptor_rows(x, n_dim), head], [x.stride(n_dim), 1], [rows, head],
+                            _layout(rows, head, x.dtype))
 
 
 def usable(region: Region, inputs: list[torch.Tensor]) -> bool:
@@ -77,8 +86,8 @@ def usable(region: Region, inputs: list[torch.Tensor]) -> bool:
 
 
 def operand(region: Region, inputs: list[torch.Tensor], which: str) -> tuple[torch.Tensor, int]:
-    """The input K (``"k"``) or V is read from, and its key dim."""
-    e = region.dots[0].k if which == "k" else region.reductions[2].v
+    """The input Q (``"q"``), K (``"k"``) or V is read from, and its query or key dim."""
+    e = {"q": region.dots[0].q, "k": region.dots[0].k}.get(which) or region.reductions[2].v
     return inputs[e.args[0]], len(e.args[1]) - 2
 
 
@@ -104,3 +113,51 @@ def compile_for(kernel, region: Region, args: list, inputs: list[torch.Tensor], 
     """Compile the kernel for this launch's specialisation without launching it (Triton's
     ``warmup``; ``runtime.background`` runs it on a compile thread)."""
     kernel.warmup(*args, grid=grid(region), **launch_meta(region, inputs, stats))
+
+
+# -- the backward's dK/dV kernel (codegen/gluon_backward.py) ---------------------------------------
+def dkdv_usable(region: Region, inputs: list[torch.Tensor], ddot: torch.Tensor, grads: list[torch.Tensor],
+                rows: list[torch.Tensor]) -> bool:
+    """May this backward run the Gluon dK/dV kernel? Whole query and key blocks (64 and 128), Q,
+    K and V readable as rows (``operand_rows``) in a 16-bit type, the product's row gradient
+    ``ddot`` one [batch * M, DV] tile of rows, the tensors it writes dK and dV into (``grads``)
+    with contiguous 16-byte aligned rows, as the kernel's stores assume, and the row statistics
+    and row gradients (``rows``) contiguous, as its loads assume."""
+    r = region
+    return (r.M % gb.BLOCK_M == 0 and r.N % gb.BLOCK_N == 0 and ddot.shape[-1] == r.DV and ddot.dtype in DTYPES
+            and all(x.is_contiguous() for x in rows)
+            and all(x.dtype in DTYPES and operand_rows(x, d, head)
+                    for (x, d), head in ((operand(r, inputs, "q"), r.DK), (operand(r, inputs, "k"), r.DK),
+                                         (operand(r, inputs, "v"), r.DV)))
+            and all(aligned_rows(g) for g in grads))
+
+
+def aligned_rows(x: torch.Tensor) -> bool:
+    """Last stride 1, every other stride of a dim longer than 1 and the address 16-byte multiples."""
+    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+            and all(st * x.element_size() % 16 == 0 for st, size in zip(x.stride()[:-1], x.shape[:-1]) if size > 1))
+
+
+def dkdv_meta(region: Region, inputs: list[torch.Tensor], ddot: torch.Tensor) -> dict:
+    """The dK/dV launch's keyword arguments: the Q, dR, K and V descriptors, the constexprs, the
+    warps and the register cap."""
+    r = region
+    return dict(q_desc=descriptor(*operand(r, inputs, "q"), rows=gb.BLOCK_M), do_desc=descriptor(ddot, 1, gb.BLOCK_M),
+                k_desc=descriptor(*operand(r, inputs, "k"), rows=gb.BLOCK_N),
+                v_desc=descriptor(*operand(r, inputs, "v"), rows=gb.BLOCK_N),
+                DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, gb.BLOCK_M)), BLOCK_M=gb.BLOCK_M, BLOCK_N=gb.BLOCK_N,
+                STAGES=gb.STAGES, num_warps=4, maxnreg=gb.MAXNREG)
+
+
+def dkdv_grid(region: Region) -> tuple[int, int]:
+    return cdiv(region.N, gb.BLOCK_N), math.prod(region.batch)
+
+
+def launch_dkdv(kernel, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
+    """One dK/dV launch: ``args`` are the Triton dK/dV kernel's (``BackwardKernels.tile_args``)."""
+    kernel[dkdv_grid(region)](*args, **dkdv_meta(region, inputs, ddot))
+
+
+def compile_dkdv_for(kernel, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
+    """``compile_for`` of the dK/dV kernel."""
+    kernel.warmup(*args, grid=dkdv_grid(region), **dkdv_meta(region, inputs, ddot))

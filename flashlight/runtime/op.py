@@ -68,9 +68,7 @@ class CompiledRegion:
     bwd_launches: int = 0
     split: object = None             # decode.SplitKernels once compiled (False: not splittable)
     metas: dict = field(default_factory=dict)       # (config, stats, TMA) -> (grid, launch_meta)
-    gfwd: object = None              # the Gluon forward (runtime.gluon) once compiled; False: none or failed
-    gluon_launched: bool = False     # it launched once (compiled): later errors are real errors
-    gluon_compile: object = None     # its compile on a background thread (a Future of it; runtime.background)
+    gfwd: background.Tier = field(default_factory=background.Tier)   # the Gluon forward (runtime.gluon)
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
 
     @property
@@ -185,7 +183,8 @@ class CompiledRegion:
         done = bool(split) and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)
         gluon_applies = not done and gluon_ok and self.gluon_applies(inputs)
         if gluon_applies:
-            done = self.launch_gluon(inputs, outs, rowstats, stats, block_stats)
+            done = self.gfwd.launch(lambda: compile_gluon(self), lambda kernel: gluon.launch(
+                kernel, r, kernel_args(r, self.stats, inputs, outs, rowstats, block_stats), inputs, stats))
         if not done:
             tma = descriptors.flag(self.tma, inputs)
             meta = self.metas.get((cfg, stats, tma))
@@ -194,51 +193,19 @@ class CompiledRegion:
                                                       launch_meta(r, cfg, stats, tma))
             args = kernel_args(r, self.stats, inputs, outs, rowstats, block_stats)
             launch_kernel(self.kernel, meta[0], args, meta[1], inputs[0].device if tma else None)
-            if gluon_applies and self.gfwd is None and self.gluon_compile is None:
-                # after the Triton kernel's own compile (this call's critical path), not beside it
-                self.gluon_compile = background.submit(compile_gluon_for, inputs[0].device, self, args, inputs, stats)
+            if gluon_applies:       # by default the Gluon forward compiles in the background from here
+                self.gfwd.submit_after(compile_gluon_for, inputs[0].device, self, args, inputs, stats)
         self.launches += 1
         return outs, (rowstats if stats else None)
 
-    def launch_gluon(self, inputs, outs, rowstats, stats: bool, block_stats: dict | None) -> bool:
-        """The Gluon forward; False where the Triton kernel serves this call instead: until the
-        Gluon kernel is compiled (``gluon_ready``), and for good if its compile or first launch
-        fails: a fused region never fails for want of Gluon (``FLASHLIGHT_STRICT=1`` raises
-        instead)."""
-        try:
-            if not self.gluon_ready():
-                return False
-            gluon.launch(self.gfwd, self.region, kernel_args(self.region, self.stats, inputs, outs, rowstats,
-                                                             block_stats), inputs, stats)
-        except Exception:  # noqa: BLE001 — a compiler error or resources: the Triton kernel serves
-            if self.gluon_launched or os.environ.get("FLASHLIGHT_STRICT") == "1":
-                raise
-            self.gfwd = False
-            return False
-        self.gluon_launched = True
-        return True
-
-    def gluon_ready(self) -> bool:
-        """Is the Gluon forward compiled? By default it compiles on a background thread
-        (``runtime.background``: its code generation, import and Triton compile), submitted
-        right after the first call's Triton launch, and the Triton kernel serves every call
-        until it is done (a tiered JIT); its error, if any, is raised here, at the first launch
-        after it. With ``FLASHLIGHT_BACKGROUND=0`` the first launch generates it and its own
-        launch compiles it, blocking."""
-        if self.gfwd is None:
-            if background.enabled():
-                if self.gluon_compile is None or not self.gluon_compile.done():
-                    return False
-                self.gfwd = self.gluon_compile.result() or False
-            else:
-                self.gfwd = compile_gluon(self) or False
-        return bool(self.gfwd)
-
     def gluon_applies(self, inputs: list[torch.Tensor]) -> bool:
         """May this launch run the Gluon forward (sm_90, ``FLASHLIGHT_GLUON``, where it measured
-        faster, ``runtime.gluon.usable``), unless it has none or it failed?"""
+        faster, ``runtime.gluon.usable``), unless it has none or it failed? By default it
+        compiles on a background thread (``runtime.background.Tier``: its code generation,
+        import and Triton compile), submitted right after the first call's Triton launch, and
+        the Triton kernel serves every call until it is ready (a tiered JIT)."""
         mode = gluon.mode()
-        return not (self.gfwd is False or mode == "0" or not inputs[0].is_cuda or interpreting()
+        return not (self.gfwd.kernel is False or mode == "0" or not inputs[0].is_cuda or interpreting()
                     or (mode != "all" and self.gluon_slower) or not gluon.hopper(inputs[0].device)
                     or not gluon.usable(self.region, inputs))
 
@@ -329,9 +296,13 @@ class CompiledRegion:
         block_stats = {} if block_stats is None else block_stats    # shared by the two tile kernels
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
-            self.fitting(inputs, lambda cfg, run=launch: run(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
-                         tune=lambda cfg, run=launch, kernel=kernel: tuned_run(k, kernel, run, inputs, rowstats, drows,
-                                                                               block_stats, cfg))
+            def triton(kernel=kernel, launch=launch):
+                self.fitting(inputs, lambda cfg: launch(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
+                             tune=lambda cfg: tuned_run(k, kernel, launch, inputs, rowstats, drows, block_stats, cfg))
+            if kernel == "dkdv":     # on Hopper, a Gluon kernel where it applies (runtime.backward)
+                k.run_dkdv(inputs, rowstats, drows, bufs, block_stats, triton)
+            else:
+                triton()
         self.bwd_launches += 1
         return k.results(inputs, bufs)
 
@@ -537,7 +508,7 @@ def compile_gluon(c: CompiledRegion):
 
 def compile_gluon_for(c: CompiledRegion, args: list, inputs: list[torch.Tensor], stats: bool):
     """``compile_gluon``, then Triton's compile of the kernel for this launch's specialisation
-    (no launch): the background task of ``CompiledRegion.gluon_ready``."""
+    (no launch): the background task of the Gluon forward's tier (``CompiledRegion.gfwd``)."""
     kernel = compile_gluon(c)
     if kernel is not None:
         gluon.compile_for(kernel, c.region, args, inputs, stats)
