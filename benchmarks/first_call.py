@@ -1,0 +1,103 @@
+"""Where a first call's time goes: Dynamo, Flashlight's capture and code generation, Triton's
+compile, and the rest, for Flashlight and for FlexAttention on the same program.
+
+    python -m benchmarks.first_call --variants causal,document_12 --d 128 [--b 4 --n 4096]
+
+Each variant runs in a process of its own with empty Triton, Inductor and Flashlight caches
+(every compile is cold, as ``benchmarks.run`` measures first calls), under cProfile; the table
+gives the cumulative seconds of the phases below (a phase inside another counts in both) and
+the wall time of the whole call. cProfile's own overhead inflates Python-heavy phases by ~1.5x:
+compare phases of one run, not these seconds with ``benchmarks.run``'s first-call column.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+# phase -> (file suffix, function name) of the functions whose cumulative time is that phase
+PHASES = {
+    "dynamo": ("torch/_dynamo/convert_frame.py", "_compile"),
+    "backend": ("flashlight/backend.py", "flashlight_backend"),
+    "capture": ("flashlight/backend.py", "fuse"),
+    "inductor": ("torch/_inductor/compile_fx.py", "compile_fx"),
+    "codegen": ("flashlight/backend.py", "lower"),
+    "triton": ("triton/compiler/compiler.py", "compile"),
+}
+
+
+def cumulative(stats: pstats.Stats) -> dict[str, float]:
+    out = dict.fromkeys(PHASES, 0.0)
+    for (path, _, name), (_, _, _, cum, _) in stats.stats.items():
+        for phase, (suffix, fn) in PHASES.items():
+            if name == fn and path.endswith(suffix):
+                out[phase] = max(out[phase], cum)
+    return out
+
+
+def child(system: str, variant: str, b: int, n: int, d: int, device: str) -> dict:
+    """One first call in this (fresh) process: ``system`` (a ``benchmarks.run`` backend) on the
+    flex suite's ``variant`` at (B, N, D), as ``benchmarks.run`` builds it."""
+    import torch
+
+    from .measure import Env, build
+    from .run import configure_dynamo
+    from .suites import Case, cases, make_inputs
+    configure_dynamo()
+    found = next(c for c in cases("flex") if c.variant == variant)
+    case = Case("flex", variant, found.program, b, found.H, n, n, d, extra=found.extra)
+    env = Env(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    xs = make_inputs(case, env.dtype, env.device)
+    call = build(system, case, xs, env, {})        # the block mask is built here for Flex, as there
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    with torch.no_grad():
+        call()
+    sync()
+    prof.disable()
+    return {"wall": time.perf_counter() - t0, **cumulative(pstats.Stats(prof))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default="causal", help="the flex suite's names (sliding_256, document_12, ...)")
+    p.add_argument("--systems", default="flashlight,flex")
+    p.add_argument("--b", type=int, default=4)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--device", default="cuda", help="cpu: a plumbing check (the interpreter; no Flex)")
+    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child, args.b, args.n, args.d, args.device)))
+        return
+    print(f"{'variant':14s} {'system':10s} {'wall':>6s} " + " ".join(f"{k:>9s}" for k in PHASES))
+    for variant in args.variants.split(","):
+        for system in args.systems.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                env = {**os.environ, "TRITON_CACHE_DIR": f"{tmp}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor",
+                       "FLASHLIGHT_CACHE_DIR": f"{tmp}/flashlight",
+                       "TRITON_INTERPRET": "1" if args.device == "cpu" else "0"}
+                res = subprocess.run([sys.executable, "-m", "benchmarks.first_call", "--child", system, variant,
+                                      "--b", str(args.b), "--n", str(args.n), "--d", str(args.d),
+                                      "--device", args.device],
+                                     capture_output=True, text=True, env=env)
+            if res.returncode:
+                print(f"{variant:14s} {system:10s} failed: {res.stderr.strip().splitlines()[-1:]}")
+                continue
+            row = json.loads(res.stdout.strip().splitlines()[-1])
+            print(f"{variant:14s} {system:10s} {row['wall']:6.2f} " + " ".join(f"{row[k]:9.2f}" for k in PHASES),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
