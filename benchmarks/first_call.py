@@ -70,7 +70,9 @@ def child(system: str, variant: str, b: int, n: int, d: int, device: str) -> dic
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="causal", help="the flex suite's names (sliding_256, document_12, ...)")
-    p.add_argument("--systems", default="flashlight,flex")
+    p.add_argument("--systems", default="flashlight,flex",
+                   help="flashlight, flex, and flashlight_b: flashlight under --b-env")
+    p.add_argument("--b-env", default="", help="NAME=VALUE[,NAME=VALUE]: flashlight_b's environment")
     p.add_argument("--b", type=int, default=4)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=128)
@@ -80,22 +82,24 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.b, args.n, args.d, args.device)))
         return
-    print(f"{'variant':14s} {'system':10s} {'wall':>6s} " + " ".join(f"{k:>9s}" for k in PHASES))
+    print(f"{'variant':14s} {'system':12s} {'wall':>6s} " + " ".join(f"{k:>9s}" for k in PHASES))
     for variant in args.variants.split(","):
         for system in args.systems.split(","):
+            extra = dict(kv.split("=", 1) for kv in args.b_env.split(",") if kv) if system == "flashlight_b" else {}
             with tempfile.TemporaryDirectory() as tmp:
                 env = {**os.environ, "TRITON_CACHE_DIR": f"{tmp}/triton", "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor",
                        "FLASHLIGHT_CACHE_DIR": f"{tmp}/flashlight",
-                       "TRITON_INTERPRET": "1" if args.device == "cpu" else "0"}
-                res = subprocess.run([sys.executable, "-m", "benchmarks.first_call", "--child", system, variant,
+                       "TRITON_INTERPRET": "1" if args.device == "cpu" else "0", **extra}
+                res = subprocess.run([sys.executable, "-m", "benchmarks.first_call", "--child",
+                                      "flashlight" if system == "flashlight_b" else system, variant,
                                       "--b", str(args.b), "--n", str(args.n), "--d", str(args.d),
                                       "--device", args.device],
                                      capture_output=True, text=True, env=env)
             if res.returncode:
-                print(f"{variant:14s} {system:10s} failed: {res.stderr.strip().splitlines()[-1:]}")
+                print(f"{variant:14s} {system:12s} failed: {res.stderr.strip().splitlines()[-1:]}")
                 continue
             row = json.loads(res.stdout.strip().splitlines()[-1])
-            print(f"{variant:14s} {system:10s} {row['wall']:6.2f} " + " ".join(f"{row[k]:9.2f}" for k in PHASES),
+            print(f"{variant:14s} {system:12s} {row['wall']:6.2f} " + " ".join(f"{row[k]:9.2f}" for k in PHASES),
                   flush=True)
 
 

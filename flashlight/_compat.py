@@ -92,6 +92,7 @@ class FastLaunch:
             from triton.runtime.driver import driver
             self.parts, self.runtime = _parts(args), knobs.runtime
             self.current = self.current or (driver.active.get_current_device, driver.active.get_current_stream)
+            prebuild_launcher(self.fn, args, meta)
         tensors, scalars = self.parts
         device = self.current[0]()      # Triton's caches are per device: so is a loaded kernel
         values = scalars(args)
@@ -113,6 +114,51 @@ class FastLaunch:
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self.current[1](device),
                    kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
         return kernel
+
+
+def launcher_source(fn, backend, binder, args, meta) -> str | None:
+    """The C source of the launcher Triton 3.6 builds with gcc for ``fn`` compiled for this
+    launch (``CudaLauncher``: one per kernel signature, 0.16-0.33 s each on the CPU machine,
+    docs/notes.md session 11), from the launch's arguments alone — what ``JITFunction.run`` binds,
+    specialises and packs before it compiles; None for kernels with tensor-descriptor arguments
+    (their launcher also needs the compiled kernel's metadata)."""
+    from triton.backends.nvidia.driver import make_launcher
+    from triton.compiler import ASTSource
+    bound, specialization, options = binder(*args, **meta)
+    _, signature, constexprs, attrs = fn._pack_args(backend, meta, bound, specialization, options)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    if any(str(t).startswith("tensordesc") for t in src.signature.values()):
+        return None
+    return make_launcher(src.constants, src.signature, None)
+
+
+def prebuild_launcher(fn, args, meta) -> None:
+    """Build the launcher of ``fn``'s first launch on a thread while Triton compiles the kernel:
+    Triton finds it in its cache (keyed by the C source) instead of running gcc after the
+    compile, so a cold first call pays max(compile, gcc) rather than the sum. Only a cache
+    prefill: any failure leaves Triton to build it as usual (``FLASHLIGHT_PREBUILD=0`` skips it)."""
+    import os
+    import threading
+    if os.environ.get("FLASHLIGHT_PREBUILD") == "0" or not hasattr(fn, "device_caches"):
+        return
+    try:
+        from triton.runtime.driver import driver
+        _, _, _, backend, binder = fn.device_caches[driver.active.get_current_device()]
+        source = launcher_source(fn, backend, binder, args, meta)
+    except Exception:  # noqa: BLE001 — Triton's internals moved: Triton builds it itself
+        return
+    if source is not None:
+        threading.Thread(target=_build_launcher, args=(source,), daemon=True, name="flashlight-launcher").start()
+
+
+def _build_launcher(source: str) -> None:
+    try:
+        from triton.backends.nvidia.driver import include_dirs, libraries, library_dirs
+        from triton.runtime.build import compile_module_from_src
+        compile_module_from_src(src=source, name="__triton_launcher", library_dirs=library_dirs(),
+                                include_dirs=include_dirs, libraries=libraries)
+    except Exception:  # noqa: BLE001 — a cache prefill: Triton builds it at the launch
+        pass
 
 
 def _parts(args) -> tuple:

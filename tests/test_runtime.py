@@ -382,6 +382,25 @@ def test_fast_launch_reuses_a_kernel_only_for_the_same_specialisation():
     assert len(fn.compiled) == before + 6
 
 
+def test_fast_launch_prebuilds_the_launcher_once_before_the_first_compile(monkeypatch):
+    """The first launch hands its arguments to ``prebuild_launcher`` (gcc builds Triton's
+    launcher on a thread while the kernel compiles: tests/test_sm90.py checks it is the same
+    launcher) before Triton compiles; later launches do not."""
+    from flashlight import _compat
+    events = []
+    monkeypatch.setattr(_compat, "prebuild_launcher", lambda fn, args, meta: events.append(("prebuild", args, meta)))
+
+    class Fn(_JitFn):
+        def __getitem__(self, grid):
+            events.append("compile")
+            return super().__getitem__(grid)
+    k = _compat.FastLaunch(Fn(), current=(lambda: 0, lambda dev: "stream"))
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    for n in (64, 64, 48):
+        k[(1,)](x, 1, n, BLOCK=16, num_warps=4)
+    assert events == [("prebuild", (x, 1, 64), dict(BLOCK=16, num_warps=4)), "compile", "compile"]
+
+
 def test_plain_softmax_saves_two_floats_per_row_and_rebuilds_the_product_from_the_output():
     """out = (P @ V) / l: the forward saves only the max and the sum per row (the product is
     out * l, read back from the output, as FA2 reads O), and a backward call without the output

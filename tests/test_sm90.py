@@ -34,3 +34,46 @@ def test_a_bf16_k_against_an_fp32_q_compiles_for_sm90():
     assert res.returncode == 0, res.stderr[-3000:]
     assert [line.split()[1] for line in res.stdout.splitlines() if line.startswith("compiled")] == \
         ["fwd", "rows", "dkdv", "dq"], res.stdout
+
+
+# The launcher Flashlight prebuilds on a thread (``_compat.launcher_source``) against the one
+# Triton builds after compiling (``CudaLauncher``: ``make_launcher`` of the compiled kernel's
+# source), for every kernel of a causal training step; and its gcc build, linked without the
+# driver library this machine lacks.
+LAUNCHERS = textwrap.dedent("""
+    import os, tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import include_dirs, make_launcher
+    from triton.compiler import make_backend
+    from triton.runtime.build import _build
+    from triton.runtime.jit import create_function_from_signature
+    from benchmarks.offline import capture, compile_sm90, record
+    from flashlight._compat import launcher_source
+    from flashlight.examples import VARIANTS
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    c, inputs = capture(VARIANTS["alibi"], 1, 2, 256, 64)
+    for name, (fn, args, meta, _) in record(c, inputs, {}).items():
+        if name.startswith("g"):
+            continue        # Gluon kernels launch through Triton's own path (descriptors)
+        if "TMA" in fn.arg_names:
+            meta = {**meta, "TMA": False}
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        ours = launcher_source(fn, backend, binder, args, meta)
+        src = compile_sm90(fn, args, meta).src
+        assert ours == make_launcher(src.constants, src.signature, None), name
+        tmp = tempfile.mkdtemp()
+        path = os.path.join(tmp, "launcher.c")
+        open(path, "w").write(ours)
+        _build("__triton_launcher", path, tmp, [], include_dirs, [], [])
+        print("same launcher", name)
+""")
+
+
+def test_prebuilt_launchers_are_the_ones_triton_builds():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", LAUNCHERS], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parents[1], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [line.split()[2] for line in res.stdout.splitlines() if line.startswith("same launcher")] == \
+        ["fwd", "rows", "dkdv", "dq"], res.stdout
