@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -55,3 +59,14 @@ def check_grads(fn, inputs, tol=1e-3, generated=True, ref_fn=None):
     assert ran, "no fused region ran"
     for k, c in ran.items():
         assert (c.bwd_launches > before.get(k, (0, 0))[1]) == generated, c.bwd_reason
+
+
+def compile_offline(*argv: str) -> str:
+    """Run ``python *argv`` from the repository root in a process of its own, without Triton's
+    interpreter (this process has it on, and kernels jitted under it cannot compile for sm_90),
+    and return its stdout; fails the test, with its stderr, if it fails."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parents[1], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout

@@ -1,11 +1,7 @@
 """The Hopper Gluon forward (codegen/gluon.py, runtime/gluon.py) on a machine without a GPU: which
 regions and layouts get it, and that its generated source compiles for sm_90 with Triton's own
 compiler and ptxas (no driver needed). Its numerics need the GPU: tests/test_gpu.py."""
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +9,7 @@ import torch
 
 import flashlight
 from benchmarks.offline import capture
+from helpers import compile_offline
 from flashlight.codegen.gluon import gluon_pays, gluon_support
 from flashlight.codegen.gluon_backward import dkdv_support
 from flashlight.examples import VARIANTS
@@ -167,13 +164,10 @@ def test_generated_gluon_compiles_for_sm90():
     compiled to cubins by ``benchmarks.offline`` in a process of its own: Gluon's wrappers of
     triton.language cannot compile in this one, whose interpreter is on. Each must be
     warp-specialised into async wgmma without spills."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.offline", "--variants", "vanilla,causal,document_mask,softcap",
-                          "--b", "1", "--h", "2", "--n", "256", "--d", "64", "--kernels", "gfwd"],
-                         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split() for line in res.stdout.splitlines() if " gfwd " in line]
-    assert [r[0] for r in rows] == ["vanilla", "causal", "document_mask", "softcap"], res.stdout
+    out = compile_offline("-m", "benchmarks.offline", "--variants", "vanilla,causal,document_mask,softcap",
+                          "--b", "1", "--h", "2", "--n", "256", "--d", "64", "--kernels", "gfwd")
+    rows = [line.split() for line in out.splitlines() if " gfwd " in line]
+    assert [r[0] for r in rows] == ["vanilla", "causal", "document_mask", "softcap"], out
     for r in rows:      # variant gfwd gluon secs regs spills smem async sass...
         assert r[5] == "0/0" and r[7] == "async" and any(x.startswith("HGMMA=") for x in r), r
         assert any(x.startswith("UTMALDG=") for x in r), r
@@ -190,13 +184,10 @@ def test_explain_says_which_forward_hopper_runs(region):
 def test_gluon_backward_prototype_compiles_for_sm90():
     """benchmarks/gluon_backward.py (the hand-written dK/dV kernel the generated one follows)
     keeps compiling: async wgmma, no serialisation."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.gluon_backward", "--offline"], capture_output=True,
-                         text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    lines = [line for line in res.stdout.splitlines() if line.startswith("D=128")]
-    assert len(lines) == 2 and all("'serialized': False" in x for x in lines), res.stdout
-    assert "'HGMMA': 48" in lines[0] and "'HGMMA': 96" in lines[1], res.stdout     # causal: masked, unmasked loops
+    out = compile_offline("-m", "benchmarks.gluon_backward", "--offline")
+    lines = [line for line in out.splitlines() if line.startswith("D=128")]
+    assert len(lines) == 2 and all("'serialized': False" in x for x in lines), out
+    assert "'HGMMA': 48" in lines[0] and "'HGMMA': 96" in lines[1], out     # causal: masked, unmasked loops
 
 
 # -- the dK/dV kernel of the generated backward (codegen/gluon_backward.py) ---------------------
@@ -259,7 +250,7 @@ def test_the_gluon_dkdv_kernel_compiles_in_the_background(region, monkeypatch):
     c, inputs = region("causal")
     k = c.backward_kernels()
     events, kernel = [], object()
-    monkeypatch.setattr(type(k), "gluon_dkdv_applies", lambda self, inputs, ddot, grads, rows: self.gdkdv.kernel is not False)
+    monkeypatch.setattr(type(k), "gluon_dkdv_applies", lambda self, inputs, rowstats, drows, bufs: self.gdkdv.kernel is not False)
     monkeypatch.setattr(rb, "compile_gluon_dkdv_for", lambda *args: events.append("compile") or kernel)
     monkeypatch.setattr(rg, "launch_dkdv", lambda kern, *args: events.append("gluon" if kern is kernel else "?"))
     rowstats = torch.zeros(c.rowstats_shape)
@@ -296,14 +287,11 @@ def test_generated_gluon_dkdv_compiles_for_sm90():
     arguments, the descriptors, the constexprs), compiled to cubins in a process of its own:
     warp-specialised, async wgmma; causal has its masked and mask-free loops (twice the
     products of the mask-free vanilla), ALiBi loads its per-head slope in the partition."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.offline", "--variants", "vanilla,causal,alibi",
-                          "--b", "1", "--h", "2", "--n", "256", "--d", "128", "--kernels", "gdkdv"],
-                         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split() for line in res.stdout.splitlines() if " gdkdv " in line]
-    assert [r[0] for r in rows] == ["vanilla", "causal", "alibi"], res.stdout
+    out = compile_offline("-m", "benchmarks.offline", "--variants", "vanilla,causal,alibi",
+                          "--b", "1", "--h", "2", "--n", "256", "--d", "128", "--kernels", "gdkdv")
+    rows = [line.split() for line in out.splitlines() if " gdkdv " in line]
+    assert [r[0] for r in rows] == ["vanilla", "causal", "alibi"], out
     hgmma = {r[0]: next(x for x in r if x.startswith("HGMMA=")) for r in rows}
-    assert hgmma == {"vanilla": "HGMMA=48", "causal": "HGMMA=96", "alibi": "HGMMA=96"}, res.stdout
+    assert hgmma == {"vanilla": "HGMMA=48", "causal": "HGMMA=96", "alibi": "HGMMA=96"}, out
     for r in rows:      # variant gdkdv gluon secs regs spills smem async sass...
         assert r[7] == "async" and any(x.startswith("UTMALDG=") for x in r), r

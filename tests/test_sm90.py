@@ -1,11 +1,9 @@
 """The generated Triton kernels compile for sm_90 (Triton's compiler and its bundled ptxas, no
 driver): what the interpreter cannot check. It computes every dot in fp32, so operand types that
 tl.dot rejects on a GPU (a bf16 K against an fp32 Q) pass there."""
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
+
+from helpers import compile_offline
 
 # Compiled in a process of its own: this one's interpreter is on (``benchmarks.offline``).
 MIXED = textwrap.dedent("""
@@ -28,12 +26,9 @@ MIXED = textwrap.dedent("""
 def test_a_bf16_k_against_an_fp32_q_compiles_for_sm90():
     """Q fp32, K and V bf16 (``q @ k.float().mT``): the score product takes both as fp32, in the
     forward and in the backward's recomputation."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", MIXED], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).parents[1], timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [line.split()[1] for line in res.stdout.splitlines() if line.startswith("compiled")] == \
-        ["fwd", "rows", "dkdv", "dq"], res.stdout
+    out = compile_offline("-c", MIXED)
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("compiled")] == \
+        ["fwd", "rows", "dkdv", "dq"], out
 
 
 # The launcher Flashlight prebuilds on a thread (``_compat.launcher_source``) against the one
@@ -71,9 +66,6 @@ LAUNCHERS = textwrap.dedent("""
 
 
 def test_prebuilt_launchers_are_the_ones_triton_builds():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", LAUNCHERS], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).parents[1], timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert [line.split()[2] for line in res.stdout.splitlines() if line.startswith("same launcher")] == \
-        ["fwd", "rows", "dkdv", "dq"], res.stdout
+    out = compile_offline("-c", LAUNCHERS)
+    assert [line.split()[2] for line in out.splitlines() if line.startswith("same launcher")] == \
+        ["fwd", "rows", "dkdv", "dq"], out

@@ -147,8 +147,7 @@ class BackwardKernels:
         compiled, else ``triton_dkdv()`` (the Triton kernel under its config), after whose first
         launch the Gluon kernel compiles in the background (``background.Tier``)."""
         ddot = drows[1]
-        applies = self.gluon_dkdv_applies(inputs, ddot, [bufs[e.args[0]] for e in self.gluon_dkdv_writes],
-                                          [rowstats, drows[0]])
+        applies = self.gluon_dkdv_applies(inputs, rowstats, drows, bufs)
         if applies:
             args = self.tile_args("dkdv", inputs, rowstats, drows, bufs, block_stats)
             if self.gdkdv.launch(lambda: compile_gluon_dkdv(self),
@@ -158,19 +157,19 @@ class BackwardKernels:
         if applies:
             self.gdkdv.submit_after(compile_gluon_dkdv_for, inputs[0].device, self, args, inputs, ddot)
 
-    @functools.cached_property
-    def gluon_dkdv_writes(self) -> list:
-        """The K and V loads whose gradients the Gluon dK/dV kernel writes."""
-        return [self.region.dots[0].k, self.region.reductions[2].v] if not self.gluon_dkdv_unsupported else []
-
-    def gluon_dkdv_applies(self, inputs, ddot: torch.Tensor, grads: list[torch.Tensor], rows: list[torch.Tensor]) -> bool:
+    def gluon_dkdv_applies(self, inputs, rowstats, drows, bufs) -> bool:
         """May this backward run the Gluon dK/dV kernel: sm_90, ``FLASHLIGHT_GLUON_DKDV`` (off by
         default until measured), a region it supports where the Gluon forward measured faster, a
-        usable layout (``runtime.gluon.dkdv_usable``), unless it failed?"""
+        usable layout of the inputs, the row statistics and gradients and the dK and dV tensors
+        (``runtime.gluon.dkdv_usable``), unless it failed? The cheap tests first: this runs on
+        every backward."""
         mode = gluon.mode("dkdv")
-        return not (self.gdkdv.kernel is False or mode == "0" or not inputs[0].is_cuda or op.interpreting()
-                    or not gluon.hopper(inputs[0].device) or (mode != "all" and self.gluon_dkdv_slower)
-                    or self.gluon_dkdv_unsupported or not gluon.dkdv_usable(self.region, inputs, ddot, grads, rows))
+        if (self.gdkdv.kernel is False or mode == "0" or not inputs[0].is_cuda or op.interpreting()
+                or not gluon.hopper(inputs[0].device) or (mode != "all" and self.gluon_dkdv_slower)
+                or self.gluon_dkdv_unsupported):
+            return False
+        grads = [bufs[e.args[0]] for e in (self.region.dots[0].k, self.region.reductions[2].v)]
+        return gluon.dkdv_usable(self.region, inputs, drows[1], grads, [rowstats, drows[0]])
 
     @functools.cached_property
     def gluon_dkdv_unsupported(self) -> str:

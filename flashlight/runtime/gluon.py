@@ -87,7 +87,7 @@ def usable(region: Region, inputs: list[torch.Tensor]) -> bool:
 
 def operand(region: Region, inputs: list[torch.Tensor], which: str) -> tuple[torch.Tensor, int]:
     """The input Q (``"q"``), K (``"k"``) or V is read from, and its query or key dim."""
-    e = {"q": region.dots[0].q, "k": region.dots[0].k}.get(which) or region.reductions[2].v
+    e = region.dots[0].q if which == "q" else region.dots[0].k if which == "k" else region.reductions[2].v
     return inputs[e.args[0]], len(e.args[1]) - 2
 
 
