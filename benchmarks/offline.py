@@ -30,10 +30,10 @@ import torch
 
 from flashlight.examples import VARIANTS
 from flashlight.codegen.gluon import gluon_support
-from flashlight.codegen.gluon_backward import dkdv_support
+from flashlight.codegen.gluon_backward import tiles_support
 from flashlight.runtime import gluon
 from flashlight.runtime import op as rt
-from flashlight.runtime.backward import compile_gluon_dkdv
+from flashlight.runtime.backward import compile_gluon_tile
 from flashlight.tune import head_block, rows_config
 
 from .configs import parse_config
@@ -104,9 +104,10 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     k.launch_dq(inputs, rowstats, drows, bufs, {}, cfg["dq"])
     for name, rec in (("rows", k.rows), ("dkdv", k.dkdv), ("dq", k.dq)):
         found[name] = (rec.fn, *rec.launches[0], cfg[name])
-    if not dkdv_support(c.region):        # the Hopper dK/dV kernel, with the Triton kernel's arguments
-        found["gdkdv"] = (compile_gluon_dkdv(k), tuple(k.dkdv.launches[0][0]),
-                          gluon.dkdv_meta(c.region, inputs, drows[1]), "gluon")
+    if not tiles_support(c.region):       # the Hopper tile kernels, with the Triton kernels' arguments
+        for kernel, rec in (("dkdv", k.dkdv), ("dq", k.dq)):
+            found[f"g{kernel}"] = (compile_gluon_tile(k, kernel), tuple(rec.launches[0][0]),
+                                   gluon.tile_meta(kernel, c.region, inputs, drows[1]), "gluon")
     return found
 
 
@@ -176,8 +177,8 @@ def main() -> None:
     p.add_argument("--h", type=int, default=16)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--kernels", default="fwd,gfwd,rows,dkdv,gdkdv,dq",
-                   help="gfwd, gdkdv: the Gluon forward and dK/dV kernels, where they apply")
+    p.add_argument("--kernels", default="fwd,gfwd,rows,dkdv,gdkdv,dq,gdq",
+                   help="gfwd, gdkdv, gdq: the Gluon forward, dK/dV and dQ kernels, where they apply")
     p.add_argument("--config", default="", help="kernel=config pairs, e.g. fwd=128x128w8s3,dkdv=32x64w4s3")
     p.add_argument("--tma", type=int, default=1, help="the TMA constexpr of kernels with descriptor loads (0: off)")
     p.add_argument("--dump", help="write each kernel's Triton source, PTX and SASS here")
@@ -208,7 +209,7 @@ def main() -> None:
                 stem.with_suffix(".ptx").write_text(ck.asm["ptx"])
                 stem.with_suffix(".sass").write_text(sass_text(ck.asm["cubin"]))
                 stem.with_suffix(".ttgir").write_text(ck.asm["ttgir"])
-                src = c.source if kernel == "fwd" else fn.src if kernel in ("gfwd", "gdkdv") else c.bwd_source
+                src = c.source if kernel == "fwd" else fn.src if kernel in ("gfwd", "gdkdv", "gdq") else c.bwd_source
                 stem.with_suffix(".py").write_text(src)
 
 

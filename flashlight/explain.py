@@ -107,7 +107,7 @@ def region_report(c) -> RegionReport:
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
     backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
         f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
-    hopper = hopper_forward(r) + (f"; {hopper_dkdv(r)}" if c.bwd_kernel is not None else "")
+    hopper = hopper_forward(r) + (f"; {hopper_backward(r)}" if c.bwd_kernel is not None else "")
     return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
                         backward, c.bwd_source, hopper)
 
@@ -119,13 +119,14 @@ def hopper_forward(r: Region) -> str:
     return f"Triton kernel ({why})" if why else "Gluon forward (warp-specialised), when K and V are whole [key, head] rows"
 
 
-def hopper_dkdv(r: Region) -> str:
-    """Which dK/dV kernel of the generated backward an sm_90 GPU runs (``codegen.gluon_backward``)."""
+def hopper_backward(r: Region) -> str:
+    """Which tile kernels of the generated backward an sm_90 GPU runs (``codegen.gluon_backward``)."""
     from .codegen.gluon import gluon_pays
-    from .codegen.gluon_backward import dkdv_support
-    why = dkdv_support(r) or gluon_pays(r)
-    return f"Triton dK/dV kernel ({why})" if why else \
-        "Triton dK/dV kernel (FLASHLIGHT_GLUON_DKDV=1: a warp-specialised Gluon one, not yet run on a GPU)"
+    from .codegen.gluon_backward import tiles_support
+    why = tiles_support(r) or gluon_pays(r)
+    return f"Triton dK/dV and dQ kernels ({why})" if why else \
+        ("Triton dK/dV and dQ kernels (FLASHLIGHT_GLUON_DKDV=1, FLASHLIGHT_GLUON_DQ=1: warp-specialised Gluon ones, "
+         "not yet run on a GPU)")
 
 
 def explain(fn, *args, **kwargs) -> Report:

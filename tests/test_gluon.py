@@ -11,7 +11,7 @@ import flashlight
 from benchmarks.offline import capture
 from helpers import compile_offline
 from flashlight.codegen.gluon import gluon_pays, gluon_support
-from flashlight.codegen.gluon_backward import dkdv_support
+from flashlight.codegen.gluon_backward import tiles_support
 from flashlight.examples import VARIANTS
 from flashlight.runtime import backward as rb
 from flashlight.runtime import gluon as rg
@@ -31,9 +31,9 @@ def region(monkeypatch):
 
 @pytest.mark.parametrize("name", ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi",
                                   "softcap", "gated", "hand_softmax"])
-def test_one_softmax_regions_have_a_gluon_forward_and_dkdv_kernel(region, name):
+def test_one_softmax_regions_have_gluon_forward_and_backward_kernels(region, name):
     c, _ = region(name)
-    assert gluon_support(c.region) == "" and dkdv_support(c.region) == ""
+    assert gluon_support(c.region) == "" and tiles_support(c.region) == ""
 
 
 @pytest.mark.parametrize("name,d,why", [
@@ -195,7 +195,7 @@ def test_gluon_backward_prototype_compiles_for_sm90():
     ("diff_attention", "one score tile"), ("sinks", "one online softmax"), ("cross_attention", "whole rows")])
 def test_other_regions_keep_the_triton_dkdv_kernel(region, name, why):
     c, _ = region(name)
-    assert why in dkdv_support(c.region)
+    assert why in tiles_support(c.region)
 
 
 def test_a_score_program_without_a_gradient_keeps_the_triton_dkdv_kernel():
@@ -208,7 +208,7 @@ def test_a_score_program_without_a_gradient_keeps_the_triton_dkdv_kernel():
         torch.compile(lambda q, k, v: torch.softmax(torch.floor(q @ k.mT) * 0.125, -1) @ v,
                       backend="flashlight")(q, k, v)
     (c,) = rt.REGISTRY.values()
-    assert gluon_support(c.region) == "" and "no gradient reaches" in dkdv_support(c.region)
+    assert gluon_support(c.region) == "" and "no gradient reaches" in tiles_support(c.region)
     rt.REGISTRY.clear()
 
 
@@ -220,18 +220,20 @@ def test_a_learned_bias_keeps_the_triton_dkdv_kernel(region):
     mod = SimpleNamespace(make_inputs=make_inputs, attention=lambda q, k, v, bias: torch.softmax(
         (q @ k.mT + bias) * 0.125, -1) @ v)
     c, _ = capture(mod, 1, 2, 256, 128)
-    assert gluon_support(c.region) == "" and "take gradients" in dkdv_support(c.region)
+    assert gluon_support(c.region) == "" and "take gradients" in tiles_support(c.region)
 
 
-def test_dkdv_launch_checks_the_layouts(region):
-    """Whole 64-query and 128-key blocks, Q, K and V as rows, dR one [rows, DV] tile of 16 bits."""
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_tile_launch_checks_the_layouts(region, kernel):
+    """Whole blocks (dK/dV: 64 queries, 128 keys; dQ: 128 queries, 64 keys), Q, K and V as rows,
+    dR one [rows, DV] tile of 16 bits, the gradients' rows aligned, the row statistics contiguous."""
     c, inputs = region("causal")
     ddot = torch.empty(2, 256, 128, dtype=torch.bfloat16)
-    grads = [torch.empty_like(inputs[1]), torch.zeros(inputs[2].shape)]     # a stored dK, an fp32 dV buffer
+    grads = [torch.empty_like(inputs[1]), torch.zeros(inputs[2].shape)]     # a stored gradient, an fp32 buffer
     rows = [torch.empty(1, 2, 256, 2)]
 
     def usable(inputs=inputs, ddot=ddot, grads=grads, rows=rows, c=c):
-        return rg.dkdv_usable(c.region, inputs, ddot, grads, rows)
+        return rg.tiles_usable(kernel, c.region, inputs, ddot, grads, rows)
     assert usable()
     assert not usable(ddot=ddot.float())
     assert not usable(ddot=torch.empty(2, 256, 256, dtype=torch.bfloat16))
@@ -241,35 +243,43 @@ def test_dkdv_launch_checks_the_layouts(region):
     assert not usable(rows=[torch.empty(1, 2, 256, 3)[..., :2]])
     ragged, ragged_inputs = region("causal", 128, 200)
     assert not usable(c=ragged, inputs=ragged_inputs, ddot=torch.empty(2, 200, 128, dtype=torch.bfloat16))
+    # 192 rows: whole 64-query blocks but not 128-key ones (dK/dV), nor 128-query ones (dQ)
+    odd, odd_inputs = region("causal", 128, 192)
+    assert not usable(c=odd, inputs=odd_inputs, ddot=torch.empty(2, 192, 128, dtype=torch.bfloat16))
 
 
-def test_the_gluon_dkdv_kernel_compiles_in_the_background(region, monkeypatch):
-    """As the forward's: the first backward runs the Triton dK/dV kernel and then submits the
-    Gluon kernel's compile; later backwards run the Gluon kernel once it is ready; a failed
-    compile leaves the Triton kernel for good."""
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_the_gluon_tile_kernels_compile_in_the_background(region, monkeypatch, kernel):
+    """As the forward's: the first backward runs the Triton kernel and then submits the Gluon
+    kernel's compile; later backwards run the Gluon kernel once it is ready; a failed compile
+    leaves the Triton kernel for good. The two tile kernels have tiers of their own."""
     c, inputs = region("causal")
     k = c.backward_kernels()
-    events, kernel = [], object()
-    monkeypatch.setattr(type(k), "gluon_dkdv_applies", lambda self, inputs, rowstats, drows, bufs: self.gdkdv.kernel is not False)
-    monkeypatch.setattr(rb, "compile_gluon_dkdv_for", lambda *args: events.append("compile") or kernel)
-    monkeypatch.setattr(rg, "launch_dkdv", lambda kern, *args: events.append("gluon" if kern is kernel else "?"))
+    events, fn = [], object()
+    monkeypatch.setattr(type(k), "gluon_tile_applies",
+                        lambda self, kind, inputs, rowstats, drows, bufs: self.tier(kind).kernel is not False)
+    monkeypatch.setattr(rb, "compile_gluon_tile_for",
+                        lambda k, kind, *args: events.append(f"compile {kind}") or fn)
+    monkeypatch.setattr(rg, "launch_tile", lambda kind, f, *args: events.append(f"gluon {kind}" if f is fn else "?"))
     rowstats = torch.zeros(c.rowstats_shape)
     drows = (torch.zeros(c.rowstats_shape), torch.zeros(*k.ddot_shape, dtype=torch.bfloat16))
     bufs = k.buffers(inputs)
 
     def step():
-        k.run_dkdv(inputs, rowstats, drows, bufs, {}, lambda: events.append("triton"))
+        k.run_tile(kernel, inputs, rowstats, drows, bufs, {}, lambda: events.append("triton"))
     step()
     flashlight.wait()
     step()
-    assert events == ["triton", "compile", "gluon"] and k.gdkdv.launched
+    assert events == ["triton", f"compile {kernel}", f"gluon {kernel}"] and k.tier(kernel).launched
+    other = k.tier("dq" if kernel == "dkdv" else "dkdv")
+    assert other.kernel is None and other.future is None
 
     def broken(*args):
         raise RuntimeError("ptxas failed")
-    monkeypatch.setattr(rb, "compile_gluon_dkdv_for", broken)
+    monkeypatch.setattr(rb, "compile_gluon_tile_for", broken)
     for strict in ("1", "0"):
         monkeypatch.setenv("FLASHLIGHT_STRICT", strict)
-        k.gdkdv = rt.background.Tier()
+        k.gdkdv, k.gdq = rt.background.Tier(), rt.background.Tier()
         events.clear()
         step()
         flashlight.wait()
@@ -279,19 +289,22 @@ def test_the_gluon_dkdv_kernel_compiles_in_the_background(region, monkeypatch):
         else:
             step()
             step()
-            assert events == ["triton"] * 3 and k.gdkdv.kernel is False
+            assert events == ["triton"] * 3 and k.tier(kernel).kernel is False
 
 
-def test_generated_gluon_dkdv_compiles_for_sm90():
-    """The dK/dV kernel of three regions as the runtime would launch it (the Triton kernel's
-    arguments, the descriptors, the constexprs), compiled to cubins in a process of its own:
-    warp-specialised, async wgmma; causal has its masked and mask-free loops (twice the
-    products of the mask-free vanilla), ALiBi loads its per-head slope in the partition."""
+def test_generated_gluon_tile_kernels_compile_for_sm90():
+    """The dK/dV and dQ kernels of three regions as the runtime would launch them (the Triton
+    kernels' arguments, the descriptors, the constexprs), compiled to cubins in a process of its
+    own: warp-specialised, async wgmma; causal has its masked and mask-free loops (twice the
+    products of the mask-free vanilla), ALiBi loads its per-head slope in the partition. The dQ
+    kernel spills nothing at D=128."""
     out = compile_offline("-m", "benchmarks.offline", "--variants", "vanilla,causal,alibi",
-                          "--b", "1", "--h", "2", "--n", "256", "--d", "128", "--kernels", "gdkdv")
-    rows = [line.split() for line in out.splitlines() if " gdkdv " in line]
-    assert [r[0] for r in rows] == ["vanilla", "causal", "alibi"], out
-    hgmma = {r[0]: next(x for x in r if x.startswith("HGMMA=")) for r in rows}
-    assert hgmma == {"vanilla": "HGMMA=48", "causal": "HGMMA=96", "alibi": "HGMMA=96"}, out
-    for r in rows:      # variant gdkdv gluon secs regs spills smem async sass...
+                          "--b", "1", "--h", "2", "--n", "256", "--d", "128", "--kernels", "gdkdv,gdq")
+    rows = [line.split() for line in out.splitlines() if " gdkdv " in line or " gdq " in line]
+    assert [(r[0], r[1]) for r in rows] == [(v, k) for v in ("vanilla", "causal", "alibi") for k in ("gdkdv", "gdq")], out
+    hgmma = {(r[0], r[1]): next(x for x in r if x.startswith("HGMMA=")) for r in rows}
+    assert hgmma == {("vanilla", "gdkdv"): "HGMMA=48", ("causal", "gdkdv"): "HGMMA=96", ("alibi", "gdkdv"): "HGMMA=96",
+                     ("vanilla", "gdq"): "HGMMA=40", ("causal", "gdq"): "HGMMA=80", ("alibi", "gdq"): "HGMMA=80"}, out
+    for r in rows:      # variant kernel gluon secs regs spills smem async sass...
         assert r[7] == "async" and any(x.startswith("UTMALDG=") for x in r), r
+        assert r[1] != "gdq" or r[5] == "0/0", r

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashlight
-from flashlight.codegen.gluon_backward import dkdv_support
+from flashlight.codegen.gluon_backward import tiles_support
 from flashlight.examples import VARIANTS
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import rel_error, to64
@@ -103,6 +103,7 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
         pytest.skip("Gluon kernels are for sm_90")
     monkeypatch.setenv("FLASHLIGHT_GLUON", "all")      # also where the Triton kernel is the default
     monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "all")
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DQ", "all")
     monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")   # the first call runs it
     mod = VARIANTS[name]
     torch.manual_seed(0)
@@ -113,8 +114,9 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
     assert any(c.gfwd.launched for c in REGISTRY.values()), "the Gluon kernel did not run"
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, dout)
-    (c,) = REGISTRY.values()      # the Gluon dK/dV kernel too, where the region has one
-    assert c.bwd_kernel.gdkdv.launched == (dkdv_support(c.region) == ""), dkdv_support(c.region)
+    (c,) = REGISTRY.values()      # the Gluon dK/dV and dQ kernels too, where the region has them
+    why = tiles_support(c.region)
+    assert c.bwd_kernel.gdkdv.launched == c.bwd_kernel.gdq.launched == (why == ""), why
     ref_in = [to64(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
     ref = mod.attention(*ref_in)
     ref_grads = torch.autograd.grad(ref, [x for x in ref_in if x.is_floating_point()], to64(dout).nan_to_num(0))
@@ -122,7 +124,8 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
     assert rel_error(out, ref) < FWD_TOL
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
         assert rel_error(g, r.nan_to_num(0)) < GRAD_TOL, (i, rel_error(g, r))
-    monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "0")     # the Triton dK/dV kernel on the same row statistics
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "0")     # the Triton tile kernels on the same row statistics
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DQ", "0")
     triton_grads = torch.autograd.grad(fn(*inputs), leaves, dout)
     for i, (g, t) in enumerate(zip(grads, triton_grads)):
         assert rel_error(g, t.double()) < GRAD_TOL, (i, rel_error(g, t.double()))
@@ -204,15 +207,18 @@ def test_gluon_declines_what_its_copies_cannot_read(monkeypatch):
 
 
 @pytest.mark.parametrize("name,D,M,N", [("causal", 128, 1024, 1024), ("vanilla", 64, 512, 1024),
-                                        ("prefix_lm", 128, 640, 640), ("causal", 128, 200, 256)])
-def test_gluon_dkdv_long_loops_and_fallbacks(name, D, M, N, monkeypatch):
-    """The Gluon dK/dV kernel over many query blocks (16 per program: the ring's phases wrap
-    eight times), fewer queries than keys (cross lengths), and a ragged M (200 queries: not whole
-    64-row blocks) that keeps the Triton dK/dV kernel; gradients against float64."""
+                                        ("prefix_lm", 128, 640, 640), ("causal", 128, 200, 256),
+                                        ("causal", 128, 256, 320)])
+def test_gluon_tile_kernels_long_loops_and_fallbacks(name, D, M, N, monkeypatch):
+    """The Gluon dK/dV and dQ kernels over many blocks (16 query blocks per dK/dV program: the
+    ring's phases wrap eight times), fewer queries than keys (cross lengths), and sizes that are
+    not whole blocks of one of them and keep its Triton kernel (200 queries: neither; 320 keys:
+    whole 64-key blocks for dQ, not 128-key ones for dK/dV); gradients against float64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("Gluon kernels are for sm_90")
     monkeypatch.setenv("FLASHLIGHT_GLUON", "all")
     monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "all")
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DQ", "all")
     monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")
     mod = VARIANTS[name]
     torch.manual_seed(0)
@@ -223,7 +229,8 @@ def test_gluon_dkdv_long_loops_and_fallbacks(name, D, M, N, monkeypatch):
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     (c,) = REGISTRY.values()
-    assert c.bwd_kernel.gdkdv.launched == (M % 64 == 0)
+    assert c.bwd_kernel.gdkdv.launched == (M % 64 == 0 and N % 128 == 0)
+    assert c.bwd_kernel.gdq.launched == (M % 128 == 0 and N % 64 == 0)
     ref_in = [to64(x).detach().requires_grad_() for x in (q, k, v)]
     ref = mod.attention(*ref_in)
     ref_grads = torch.autograd.grad(ref, ref_in, to64(dout))

@@ -156,6 +156,22 @@ SCAN_LAYOUTS = ["SCAN2: tl.constexpr = tl.BlockedLayout([1, 1], [1, 32], [4, 1],
                 "SCAN_COLS: tl.constexpr = tl.SliceLayout(0, SCAN2)"]
 
 
+def key_bounds(w: KernelWriter, members: list[int]) -> tuple[str, str, str, str, bool]:
+    """The key loop of ``KernelWriter.segments`` as scalar bounds (code added to ``w``'s
+    prologue): live key blocks [lo, hi), the mask-free run [f0, f1) inside them, and whether
+    every block is mask-free (no mask; the launches take whole key blocks only)."""
+    loops = w.segments(members)
+    segs = loops[0][1]
+    if len(segs) == 3:          # a useful mask: masked head, mask-free middle, masked tail
+        (lo, f0, _), (_, f1, _), (_, hi, _) = segs
+    elif len(loops) == 1:       # every block masked
+        lo, hi = segs[0][:2]
+        f0 = f1 = lo
+    else:                       # every block mask-free but a ragged last one
+        lo, f0, f1, hi = "0", "0", "N // BLOCK_N", "tl.cdiv(N, BLOCK_N)"
+    return lo, f0, f1, hi, len(loops) == 2
+
+
 def scan_arange(n: str, axis: str) -> str:
     """``KernelWriter.arange`` for Gluon: a block scan's range with its layout."""
     return f"tl.arange(0, {n}, layout={'SCAN_ROWS' if axis == 'rows' else 'SCAN_COLS'})"
@@ -209,16 +225,7 @@ class GluonWriter(KernelWriter):
         r, out = self.r, self.outer
         out.lines += ["pid_m = tl.program_id(0)", *batch_index(len(r.batch)),
                       "m_lo = pid_m * BLOCK_M", "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1", *SCAN_LAYOUTS]
-        loops = self.segments([0, 1, 2])
-        segs = loops[0][1]
-        if len(segs) == 3:          # a useful mask: masked head, mask-free middle, masked tail
-            (lo, f0, _), (_, f1, _), (_, hi, _) = segs
-        elif len(loops) == 1:       # every block masked
-            lo, hi = segs[0][:2]
-            f0 = f1 = lo
-        else:                       # every block mask-free but a ragged last one
-            lo, f0, f1, hi = "0", "0", "N // BLOCK_N", "tl.cdiv(N, BLOCK_N)"
-        self.mask_free = len(loops) == 2     # (and no ragged block: ``runtime.gluon.usable``)
+        lo, f0, f1, hi, self.mask_free = key_bounds(self, [0, 1, 2])
         check_layouts(out.lines)
         k, v = r.dots[0].k, r.reductions[2].v
         out.lines += [f"k_row = {descriptor_row(self.em, k, out)}", f"v_row = {descriptor_row(self.em, v, out)}",

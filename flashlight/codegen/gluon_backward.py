@@ -1,5 +1,5 @@
-"""The generated backward's dK/dV kernel (``backward.DKDVWriter``) in Gluon, for Hopper, in the
-warp-specialised form of the Gluon forward (``codegen/gluon.py``).
+"""The generated backward's two tile kernels (``backward.DKDVWriter``, ``backward.DQWriter``) in
+Gluon, for Hopper, in the warp-specialised form of the Gluon forward (``codegen/gluon.py``).
 
 Triton 3.6 runs the dK/dV kernel's four products and its pointwise work one after the other,
 and at D=128 the kernel keeps only 32 query rows per step (its dK and dV tiles fill the
@@ -21,6 +21,12 @@ a store, or an atomic add where programs share K or V). The masked blocks run fi
 mask-free ones, each in a loop of its own; the loader copies the blocks in that order.
 On the H200 a hand-written kernel of this form (``benchmarks/gluon_backward.py``) ran 1.38x
 (full) and 1.18x (causal) the Triton dK/dV kernel at D=128 (docs/notes.md, session 11).
+
+The dQ kernel is the same machine with the roles swapped (``GluonTiles`` holds what they
+share): a program owns 128 queries, copies their Q and dR once and streams the live key blocks'
+K and V through the ring (the forward's key scan, ``gluon.key_bounds``); per key block of 64,
+S = Q K^T and dP = dR V^T are in flight together, then dQ += dS K takes dS as a register
+operand. Not yet run on a GPU (docs/notes.md, session 12).
 """
 from __future__ import annotations
 
@@ -28,25 +34,29 @@ from ..ir import Region, dot
 from ..ir.derivative import vjp
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, full_body, useful
-from .backward import DKDVWriter, backward_support, const_factor, dot_grads
+from .backward import DKDVWriter, DQWriter, backward_support, const_factor, dot_grads
 from .emit import Block, CodegenError, Ctx
 from .gluon import (DTYPES, SCAN_LAYOUTS, bulk_operand, check_layouts, descriptor_row, gluon_module, gluon_support,
-                    scan_arange)
+                    key_bounds, scan_arange)
 from .gradients import grad_plan
 from .kernel import batch_index
 
-BLOCK_M = 64         # query rows per step: the ring's Q and dR tiles
-WG_KEYS = 64         # keys per compute warpgroup
-BLOCK_N = 2 * WG_KEYS    # keys per program
+WG = 64              # a compute warpgroup's own rows (dK/dV: keys; dQ: queries)
+RING = 64            # rows of the other operand per step (dK/dV: queries; dQ: keys)
+# (BLOCK_M, BLOCK_N) per kernel: a dK/dV program owns 2 x 64 keys and steps over 64 queries, a dQ
+# program owns 2 x 64 queries and steps over 64 keys
+BLOCKS = {"dkdv": (RING, 2 * WG), "dq": (2 * WG, RING)}
+BLOCK_M, BLOCK_N = BLOCKS["dkdv"]
 STAGES = 2
 MAXNREG = 168        # as the forward: 240 registers per compute thread, 24 for the loader
 
-# a compute warpgroup's transposed tile [keys, queries]
+# a compute warpgroup's score tile: [keys, queries] in the dK/dV kernel, [queries, keys] in dQ's
 GCTX_ST = Ctx("gst", vars={"n": "offs_n[:, None]", "m": "offs_m[None, :]"}, masks={}, key_start="start_n")
+GCTX_S = Ctx("gs", vars={"m": "offs_m[:, None]", "n": "offs_n[None, :]"}, masks={}, key_start="start_n")
 
 
-def dkdv_support(region: Region) -> str:
-    """Why ``region`` has no Gluon dK/dV kernel ('' when it has one): a region with a Gluon
+def tiles_support(region: Region) -> str:
+    """Why ``region`` has no Gluon dK/dV or dQ kernel ('' when it has both): a region with a Gluon
     forward (``gluon_support``: one softmax, K and V read as rows), Q read as rows too, a
     generated backward, no load in the score program taking a gradient (those are scattered per
     tile) and one P @ V product whose row gradient is one [M, DV] tile in K's 16-bit type."""
@@ -66,67 +76,63 @@ def dkdv_support(region: Region) -> str:
     return ""
 
 
-class GluonDKDVWriter(DKDVWriter):
-    """The Gluon module of one region's dK/dV kernel (``generate_gluon_dkdv``): a loader, a
-    compute warpgroup body (instantiated for warpgroups 0 and 1) and the kernel, which runs
-    the query blocks' scan and forks the partitions. Its arguments are the Triton dK/dV
-    kernel's (``DKDVWriter.common_args``) plus the Q, dR, K and V tensor descriptors, so the
-    runtime's argument list serves both."""
+class GluonTiles:
+    """What the Gluon dK/dV and dQ writers share (mixed into ``DKDVWriter`` and ``DQWriter``,
+    whose IR-side code they reuse): a program owns two warpgroups' rows of one operand pair (the
+    "own" tiles, copied once), and a loader streams the other pair's live blocks through a ring
+    (``LOADER``), the masked blocks first, then the mask-free run, as the compute warpgroups
+    visit them. The arguments are the Triton kernel's (``common_args``) plus four descriptors.
+
+    A subclass names its operands (``ring``, ``own``: buffer names, with their head dims), its
+    scan (``scan``: the kernel's first lines, ending with the descriptor rows and the bounds
+    ``lo``, ``f0``, ``f1``, ``hi``), the prologue of a compute warpgroup (``compute_prologue``),
+    one step of its loop (``step``) and its accumulators (``accs``)."""
+    kernel = ""                     # "dkdv" or "dq": the Triton kernel's name in the plan
+    ring: tuple[str, str] = ("", "")     # buffers the loader streams (ready/empty barriers each)
+    own: tuple[str, str] = ("", "")      # buffers copied once per program
+    heads = {"q": "DK", "do": "DV", "k": "DK", "v": "DV"}
+    own_rows, ring_rows = "", ""    # the constexprs of the two tiles' rows (BLOCK_M / BLOCK_N)
 
     def __init__(self, region: Region, name: str):
         super().__init__(region, grad_plan(region), name)
         self.compute = Block()       # the compute warpgroup's prologue (hoisted invariants)
-        self.mask_free = False       # every live query block is mask-free: one body, not two
+        self.mask_free = False       # every live block is mask-free: one body, not two
 
     def arange(self, n: str, axis: str) -> str:
         return scan_arange(n, axis)
 
-    # -- the kernel: batch indices, query scan, buffers, partitions ----------------------------
-    def scan(self) -> None:
-        r, out = self.r, self.outer
-        out.lines += ["pid_n = tl.program_id(0)", *batch_index(len(r.batch)),
-                      "n_lo = pid_n * BLOCK_N",
-                      "n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",
-                      "blk = pid_n       # this program's key block, for the sparsity scan",
-                      "blk_valid = n_lo < N", *SCAN_LAYOUTS]
-        lo, hi, f0, f1 = self.query_scan()
-        # nothing to mask: every block is mask-free (the launch takes whole blocks only,
-        # ``runtime.gluon.dkdv_usable``), and the masked loop is not compiled; [f0, f1) = [lo, hi)
-        # by construction, so the loader's order is the compute loop's whatever the sizes
-        dead, keep = self.predicates()
-        self.mask_free = not (self.sparse and useful(dead)) and keep == TRUE
+    def bounds(self, lo: str, f0: str, f1: str, hi: str) -> None:
+        """The scan's live blocks [lo, hi) and mask-free run [f0, f1) inside them (empty: all
+        equal) as the kernel's scalars; a mask-free kernel takes every block as mask-free (the
+        launch takes whole blocks only, and the masked loop is not compiled): [f0, f1) = [lo, hi)
+        by construction, so the loader's order is the compute loop's whatever the sizes."""
         if self.mask_free:
             f0, f1 = lo, hi
-        check_layouts(out.lines)
-        q, k, v = r.dots[0].q, r.dots[0].k, r.reductions[2].v
-        out.lines += [
-            f"q_row = {descriptor_row(self.em, q, out)}",
-            "do_row = (pid_b * (ddot_sb // ddot_sm)).to(tl.int32)  # dR: our own [batch * M, DV] rows",
-            f"k_row = {descriptor_row(self.em, k, out)} + n_lo.to(tl.int32)",
-            f"v_row = {descriptor_row(self.em, v, out)} + n_lo.to(tl.int32)",
-            # live query blocks [lo, hi), the mask-free run [f0, f1) inside them (empty: all equal)
-            f"lo = {lo}", f"hi = tl.maximum({hi}, lo)",
-            f"f0 = tl.minimum(tl.maximum({f0}, lo), hi)", f"f1 = tl.minimum(tl.maximum({f1}, f0), hi)"]
+        check_layouts(self.outer.lines)
+        self.outer.lines += [f"lo = {lo}", f"hi = tl.maximum({hi}, lo)",
+                             f"f0 = tl.minimum(tl.maximum({f0}, lo), hi)", f"f1 = tl.minimum(tl.maximum({f1}, f0), hi)"]
 
     def fork(self) -> None:
+        (a, b), (x, y) = self.ring, self.own
         self.outer.lines += [
-            "q_smem = tl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_M, DK], q_desc.layout)",
-            "do_smem = tl.allocate_shared_memory(do_desc.dtype, [STAGES, BLOCK_M, DV], do_desc.layout)",
-            "k_smem = tl.allocate_shared_memory(k_desc.dtype, [BLOCK_N, DK], k_desc.layout)",
-            "v_smem = tl.allocate_shared_memory(v_desc.dtype, [BLOCK_N, DV], v_desc.layout)",
-            "kv_bar = tl.allocate_shared_memory(tl.int64, [1], mbarrier.MBarrierLayout())",
-            *[f"{b} = tl.allocate_shared_memory(tl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
-              for b in ("q_ready", "q_empty", "do_ready", "do_empty")],
-            "mbarrier.init(kv_bar, count=1)",
+            *[f"{n}_smem = tl.allocate_shared_memory({n}_desc.dtype, [STAGES, {self.ring_rows}, {self.heads[n]}], "
+              f"{n}_desc.layout)" for n in (a, b)],
+            *[f"{n}_smem = tl.allocate_shared_memory({n}_desc.dtype, [{self.own_rows}, {self.heads[n]}], {n}_desc.layout)"
+              for n in (x, y)],
+            "own_bar = tl.allocate_shared_memory(tl.int64, [1], mbarrier.MBarrierLayout())",
+            *[f"{n}_{e} = tl.allocate_shared_memory(tl.int64, [STAGES, 1], mbarrier.MBarrierLayout())"
+              for n in (a, b) for e in ("ready", "empty")],
+            "mbarrier.init(own_bar, count=1)",
             "for i in tl.static_range(STAGES):",
-            "    mbarrier.init(q_ready.index(i), count=1)",
-            "    mbarrier.init(do_ready.index(i), count=1)",
-            "    mbarrier.init(q_empty.index(i), count=2)  # both compute warpgroups release a buffer",
-            "    mbarrier.init(do_empty.index(i), count=2)",
+            f"    mbarrier.init({a}_ready.index(i), count=1)",
+            f"    mbarrier.init({b}_ready.index(i), count=1)",
+            f"    mbarrier.init({a}_empty.index(i), count=2)  # both compute warpgroups release a buffer",
+            f"    mbarrier.init({b}_empty.index(i), count=2)",
             f"compute_args = ({', '.join(self.compute_params())})",
             "tl.warp_specialize([",
-            f"    ({self.name}_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, "
-            "q_ready, q_empty, do_ready, do_empty, q_row, do_row, k_row, v_row, lo, f0, f1, hi)),",
+            f"    ({self.name}_loader, ({a}_desc, {b}_desc, {x}_desc, {y}_desc, {a}_smem, {b}_smem, {x}_smem, "
+            f"{y}_smem, own_bar, {a}_ready, {a}_empty, {b}_ready, {b}_empty, {a}_row, {b}_row, {x}_row, {y}_row, "
+            "lo, f0, f1, hi)),",
             f"    ({self.name}_compute0, compute_args),",
             f"    ({self.name}_compute1, compute_args),",
             "], [4, 4], [240, 240])",
@@ -137,87 +143,68 @@ class GluonDKDVWriter(DKDVWriter):
         bounds, the buffers and barriers (constexprs reach partitions as tensors in triton 3.6:
         the warpgroup reads its block sizes from the buffers' shapes)."""
         sig = [a for a in self.signature() if ":" not in a and not a.endswith("_desc")]
-        return [*sig, "pid_n", "pid_b", *[f"b{d}" for d in range(len(self.r.batch))], "lo", "f0", "f1", "hi",
-                "q_smem", "do_smem", "k_smem", "v_smem", "kv_bar", "q_ready", "q_empty", "do_ready", "do_empty"]
+        (a, b), (x, y) = self.ring, self.own
+        pid = "pid_n" if self.kernel == "dkdv" else "pid_m"
+        return [*sig, pid, "pid_b", *[f"b{d}" for d in range(len(self.r.batch))], "lo", "f0", "f1", "hi",
+                f"{a}_smem", f"{b}_smem", f"{x}_smem", f"{y}_smem", "own_bar",
+                f"{a}_ready", f"{a}_empty", f"{b}_ready", f"{b}_empty"]
 
     def signature(self) -> list[str]:
-        return self.common_args("dkdv") + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",
-                                           "BLOCK_N: tl.constexpr", "q_desc", "do_desc", "k_desc", "v_desc",
-                                           "STAGES: tl.constexpr"]
+        return self.common_args(self.kernel) + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",
+                                                "BLOCK_N: tl.constexpr", "q_desc", "do_desc", "k_desc", "v_desc",
+                                                "STAGES: tl.constexpr"]
 
-    # -- one compute warpgroup ---------------------------------------------------------------
-    def query_step(self, full: bool) -> list[str]:
-        """One query block ``j`` (ring slot ``i``) of a compute warpgroup: the two products in,
-        the body and its reverse, the two products out. ``full``: inside every mask (the
-        bodies' mask-free forms). No bounds masks: the launch takes whole blocks only
-        (``runtime.gluon.dkdv_usable``), and a [64, 64] tile of them costs registers the
-        accumulators need."""
+    def row_values(self, block: Block) -> None:
+        """The forward's softmax shifts and the sums' row gradients at the rows ``offs_m``, as
+        rows ([1, WG]) of the dK/dV kernel's transposed tile or columns ([WG, 1]) of dQ's (the
+        product's row gradient is the dR tile)."""
+        row = "pid_b * rowstats_sb + offs_m * rowstats_sm"
+        vec = "[None, :]" if self.transposed else "[:, None]"
+        cols = rowstat_columns(self.r)[0]
+        for j, rd in enumerate(self.r.reductions):
+            if rd.kind == "max":
+                block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}){vec}")
+                self.em.red_names[j] = f"r{j}_s"
+            elif rd.kind == "sum" and j in self.plan.members:
+                block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}){vec}")
+
+    def score_and_grad(self, full: bool, loop: Block) -> None:
+        """The score program's body ``p`` on ``qk0`` (between the two products' waits), then the
+        wait for ``dp`` and the score tile's gradient ``ds`` (the softmax scale folded out: it is
+        applied to the accumulator once, after the loop)."""
         r, em = self.r, self.em
-        loop = Block(parent=self.compute)
-        em.dot_names, em.red_names = {0: "qk0"}, {}
-        loop.lines += [
-            "st = i % STAGES",
-            "ph = (i // STAGES) & 1",
-            "start_m = j * BLOCK_M",
-            "mbarrier.wait(q_ready.index(st), ph)",
-            "q = q_smem.index(st)",
-            "qk0 = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # S^T = K Q^T",
-            "mbarrier.wait(do_ready.index(st), ph)",
-            "do = do_smem.index(st)",
-            "dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # dP^T = V dR^T",
-            "offs_m = start_m + tl.arange(0, BLOCK_M, layout=tl.SliceLayout(0, S_LAYOUT))",
-        ]
-        self.row_values(loop)
-        loop.lines.append("qk0 = warpgroup_mma_wait(1, deps=(qk0, ))  # S^T done, dP^T in flight")
+        ctx = GCTX_ST if self.transposed else GCTX_S
         body = r.reductions[2].body
-        loop.lines.append(f"p = {em.emit(full_body(body) if full else body, GCTX_ST, loop)}")
+        loop.lines.append(f"p = {em.emit(full_body(body) if full else body, ctx, loop)}")
         loop.lines.append("dp = warpgroup_mma_wait(0, deps=(dp, ))")
         for j in self.plan.members:        # d body_j: dR_j (a sum), dR V^T (the product)
             loop.lines.append(f"db{j} = {'dp' if r.reductions[j].kind == 'dot' else f'dr{j}'}")
         ds = vjp(self.seeds(full))[dot(0)]
-        if r.dots[0].k in self.folded_scales("dk"):
-            ds = const_factor(ds)[0]        # the softmax scale: applied to dK once, after the loop
-        loop.lines += [
-            f"ds = {em.emit(ds, GCTX_ST, loop)}",
-            "pb = tl.convert_layout(p.to(do_smem.dtype), PT_LAYOUT)",
-            "dsb = tl.convert_layout(ds.to(q_smem.dtype), DST_LAYOUT)",
-            "dv0 = warpgroup_mma(pb, do, dv0, is_async=True)  # dV += P^T dR",
-            "dk0 = warpgroup_mma(dsb, q, dk0, is_async=True)  # dK += dS^T Q",
-            "dv0, dk0, pb, dsb = warpgroup_mma_wait(0, deps=(dv0, dk0, pb, dsb))",
-            "mbarrier.arrive(q_empty.index(st), count=1)",
-            "mbarrier.arrive(do_empty.index(st), count=1)",
-        ]
-        return loop.lines
-
-    def row_values(self, block: Block) -> None:
-        """The forward's softmax shifts and the sums' row gradients of this query block, as
-        [1, BLOCK_M] rows of the transposed tile (the product's row gradient is the dR tile)."""
-        row = "pid_b * rowstats_sb + offs_m * rowstats_sm"
-        cols = rowstat_columns(self.r)[0]
-        for j, rd in enumerate(self.r.reductions):
-            if rd.kind == "max":
-                block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]})[None, :]")
-                self.em.red_names[j] = f"r{j}_s"
-            elif rd.kind == "sum" and j in self.plan.members:
-                block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]})[None, :]")
+        operand = r.dots[0].k if self.kernel == "dkdv" else r.dots[0].q
+        if operand in self.folded_scales("dk" if self.kernel == "dkdv" else "dq"):
+            ds = const_factor(ds)[0]
+        loop.lines.append(f"ds = {em.emit(ds, ctx, loop)}")
 
     def gradient_stores(self) -> list[str]:
-        """dK and dV of this warpgroup's 64 keys at the K and V loads' addresses: a store where
-        the program owns them (``grad_plan``), else an fp32 atomic add (GQA's shared heads)."""
-        r, em = self.r, self.em
+        """The accumulators (``accs``: this warpgroup's WG rows of each gradient) at their
+        operands' load addresses: a store where the program owns them (``grad_plan``), else an
+        fp32 atomic add (GQA's shared heads)."""
+        em = self.em
         epi = Block(parent=self.compute)
-        # the gradient tensors' rows are contiguous and 16-byte aligned (``runtime.gluon.dkdv_usable``
+        accs = self.accs_of()
+        # the gradient tensors' rows are contiguous and 16-byte aligned (``runtime.gluon.tiles_usable``
         # checks), which the partition's arguments no longer say: vector stores, not one per element.
         # No bounds masks: whole blocks only
-        for i in sorted({r.dots[0].k.args[0], r.reductions[2].v.args[0]}):
-            nd = len(r.inputs[i].shape)
+        for i in sorted({e.args[0] for _, e, _, _, _ in accs}):
+            nd = len(self.r.inputs[i].shape)
             epi.lines += [f"g{i}_s{nd - 1} = 1", f"g{i}_ptr = tl.multiple_of(g{i}_ptr, 16)"]
             epi.lines += [f"g{i}_s{d} = tl.multiple_of(g{i}_s{d}, 8)" for d in range(nd - 1)]
-        for acc, e, width, layout in (("dk0", r.dots[0].k, "DK", "DK_LAYOUT"), ("dv0", r.reductions[2].v, "DV", "DV_LAYOUT")):
-            ctx = Ctx(f"g{acc}", vars={"n": f"{acc}_n[:, None]", width.lower(): f"{acc}_d[None, :]"}, masks={})
-            epi.lines += [f"{acc}_n = start_n + tl.arange(0, {WG_KEYS}, layout=tl.SliceLayout(1, {layout}))",
+        axis, start = ("n", "start_n") if self.kernel == "dkdv" else ("m", "start_m")
+        for acc, e, width, layout, kind in accs:
+            ctx = Ctx(f"g{acc}", vars={axis: f"{acc}_r[:, None]", width.lower(): f"{acc}_d[None, :]"}, masks={})
+            epi.lines += [f"{acc}_r = {start} + tl.arange(0, {WG}, layout=tl.SliceLayout(1, {layout}))",
                           f"{acc}_d = tl.arange(0, {width}, layout=tl.SliceLayout(0, {layout}))"]
-            scale = self.folded_scales("dk").get(e) if acc == "dk0" else None
+            scale = self.folded_scales(kind).get(e) if kind != "dv" else None
             val = f"{acc} * {scale!r}" if scale is not None else acc
             ptr, _ = em.address(e, ctx, epi, "g")
             i = e.args[0]
@@ -229,34 +216,14 @@ class GluonDKDVWriter(DKDVWriter):
 
     def compute_function(self) -> str:
         pre = self.compute.lines
-        pre += [
-            # the row statistics are our own contiguous [*batch, M, W] tensors (the launch checks):
-            # a known row stride keeps the row values' addresses out of the registers (causal D=128
-            # offline: 360 -> 208 bytes of spills)
-            f"rowstats_sm = {rowstat_columns(self.r)[1]}",
-            "STAGES: tl.constexpr = q_smem.type.shape[0]",
-            "BLOCK_M: tl.constexpr = q_smem.type.shape[1]",
-            "DK: tl.constexpr = q_smem.type.shape[2]",
-            "DV: tl.constexpr = do_smem.type.shape[2]",
-            "S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, BLOCK_M, 16])",
-            "DK_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, DK, 16])",
-            "DV_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, DV, 16])",
-            "PT_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DV_LAYOUT, k_width=2)",
-            "DST_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DK_LAYOUT, k_width=2)",
-            f"start_n = pid_n * {BLOCK_N} + W * {WG_KEYS}  # this warpgroup's keys",
-            f"offs_n = start_n + tl.arange(0, {WG_KEYS}, layout=tl.SliceLayout(1, S_LAYOUT))",
-            f"k = k_smem.slice(W * {WG_KEYS}, {WG_KEYS})",
-            f"v = v_smem.slice(W * {WG_KEYS}, {WG_KEYS})",
-            f"zero_s = tl.zeros([{WG_KEYS}, BLOCK_M], tl.float32, S_LAYOUT)",
-            f"dk0 = tl.zeros([{WG_KEYS}, DK], tl.float32, DK_LAYOUT)",
-            f"dv0 = tl.zeros([{WG_KEYS}, DV], tl.float32, DV_LAYOUT)",
-        ]
-        full = self.query_step(True)
-        masked = [] if self.mask_free else self.query_step(False)
-        loop = ["mbarrier.wait(kv_bar, 0)",
+        # the row statistics are our own contiguous [*batch, M, W] tensors (the launch checks): a
+        # known row stride keeps the row values' addresses out of the registers (causal dK/dV at
+        # D=128 offline: 360 -> 208 bytes of spills)
+        pre.append(f"rowstats_sm = {rowstat_columns(self.r)[1]}")
+        self.compute_prologue()
+        full = self.step(True)
+        masked = [] if self.mask_free else self.step(False)
+        loop = ["mbarrier.wait(own_bar, 0)",
                 "# the masked blocks [lo, f0) and [f1, hi) first, then the mask-free run [f0, f1): the loader's order",
                 "n_head = f0 - lo",
                 "n_mask = n_head + hi - f1"]
@@ -272,46 +239,218 @@ class GluonDKDVWriter(DKDVWriter):
         body = "\n".join("    " + x for x in pre + loop + epi)
         return f"@gluon.jit\ndef {self.name}_compute({params}):\n{body}\n"
 
-    # -- the module ----------------------------------------------------------------------------
     def write(self) -> str:
         self.scan()                  # first: the scan adds the block statistics' arguments
         compute = self.compute_function()
         self.fork()
         return gluon_module(self, self.signature(), LOADER.format(name=self.name), compute)
 
+    # -- per kernel --------------------------------------------------------------------------
+    def scan(self) -> None:
+        raise NotImplementedError
+
+    def compute_prologue(self) -> None:
+        raise NotImplementedError
+
+    def step(self, full: bool) -> list[str]:
+        raise NotImplementedError
+
+    def accs_of(self) -> list[tuple[str, object, str, str, str]]:
+        """(register tile, operand expression, head dim, layout, plan kind) per accumulator."""
+        raise NotImplementedError
+
+
+class GluonDKDVWriter(GluonTiles, DKDVWriter):
+    """The dK/dV kernel: a program owns 2 x 64 keys (K and V copied once) and steps over the
+    live query blocks' Q and dR (``DKDVWriter.query_scan``)."""
+    kernel, ring, own, own_rows, ring_rows = "dkdv", ("q", "do"), ("k", "v"), "BLOCK_N", "BLOCK_M"
+
+    def scan(self) -> None:
+        r, out = self.r, self.outer
+        out.lines += ["pid_n = tl.program_id(0)", *batch_index(len(r.batch)),
+                      "n_lo = pid_n * BLOCK_N",
+                      "n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",
+                      "blk = pid_n       # this program's key block, for the sparsity scan",
+                      "blk_valid = n_lo < N", *SCAN_LAYOUTS]
+        lo, hi, f0, f1 = self.query_scan()
+        dead, keep = self.predicates()
+        self.mask_free = not (self.sparse and useful(dead)) and keep == TRUE
+        q, k, v = r.dots[0].q, r.dots[0].k, r.reductions[2].v
+        out.lines += [
+            f"q_row = {descriptor_row(self.em, q, out)}",
+            "do_row = (pid_b * (ddot_sb // ddot_sm)).to(tl.int32)  # dR: our own [batch * M, DV] rows",
+            f"k_row = {descriptor_row(self.em, k, out)} + n_lo.to(tl.int32)",
+            f"v_row = {descriptor_row(self.em, v, out)} + n_lo.to(tl.int32)"]
+        self.bounds(lo, f0, f1, hi)
+
+    def compute_prologue(self) -> None:
+        self.compute.lines += [
+            "STAGES: tl.constexpr = q_smem.type.shape[0]",
+            "BLOCK_M: tl.constexpr = q_smem.type.shape[1]",
+            "DK: tl.constexpr = q_smem.type.shape[2]",
+            "DV: tl.constexpr = do_smem.type.shape[2]",
+            "S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "instr_shape=[16, BLOCK_M, 16])",
+            "DK_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "instr_shape=[16, DK, 16])",
+            "DV_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "instr_shape=[16, DV, 16])",
+            "PT_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DV_LAYOUT, k_width=2)",
+            "DST_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DK_LAYOUT, k_width=2)",
+            f"start_n = pid_n * {2 * WG} + W * {WG}  # this warpgroup's keys",
+            f"offs_n = start_n + tl.arange(0, {WG}, layout=tl.SliceLayout(1, S_LAYOUT))",
+            f"k = k_smem.slice(W * {WG}, {WG})",
+            f"v = v_smem.slice(W * {WG}, {WG})",
+            f"zero_s = tl.zeros([{WG}, BLOCK_M], tl.float32, S_LAYOUT)",
+            f"dk0 = tl.zeros([{WG}, DK], tl.float32, DK_LAYOUT)",
+            f"dv0 = tl.zeros([{WG}, DV], tl.float32, DV_LAYOUT)",
+        ]
+
+    def step(self, full: bool) -> list[str]:
+        """One query block ``j`` (ring slot ``i``) of a compute warpgroup: the two products in,
+        the body and its reverse, the two products out. ``full``: inside every mask (the
+        bodies' mask-free forms). No bounds masks: the launch takes whole blocks only
+        (``runtime.gluon.tiles_usable``), and a [64, 64] tile of them costs registers the
+        accumulators need."""
+        loop = Block(parent=self.compute)
+        self.em.dot_names, self.em.red_names = {0: "qk0"}, {}
+        loop.lines += [
+            "st = i % STAGES",
+            "ph = (i // STAGES) & 1",
+            "start_m = j * BLOCK_M",
+            "mbarrier.wait(q_ready.index(st), ph)",
+            "q = q_smem.index(st)",
+            "qk0 = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # S^T = K Q^T",
+            "mbarrier.wait(do_ready.index(st), ph)",
+            "do = do_smem.index(st)",
+            "dp = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # dP^T = V dR^T",
+            "offs_m = start_m + tl.arange(0, BLOCK_M, layout=tl.SliceLayout(0, S_LAYOUT))",
+        ]
+        self.row_values(loop)
+        loop.lines.append("qk0 = warpgroup_mma_wait(1, deps=(qk0, ))  # S^T done, dP^T in flight")
+        self.score_and_grad(full, loop)
+        loop.lines += [
+            "pb = tl.convert_layout(p.to(do_smem.dtype), PT_LAYOUT)",
+            "dsb = tl.convert_layout(ds.to(q_smem.dtype), DST_LAYOUT)",
+            "dv0 = warpgroup_mma(pb, do, dv0, is_async=True)  # dV += P^T dR",
+            "dk0 = warpgroup_mma(dsb, q, dk0, is_async=True)  # dK += dS^T Q",
+            "dv0, dk0, pb, dsb = warpgroup_mma_wait(0, deps=(dv0, dk0, pb, dsb))",
+            "mbarrier.arrive(q_empty.index(st), count=1)",
+            "mbarrier.arrive(do_empty.index(st), count=1)",
+        ]
+        return loop.lines
+
+    def accs_of(self):
+        r = self.r
+        return [("dk0", r.dots[0].k, "DK", "DK_LAYOUT", "dk"), ("dv0", r.reductions[2].v, "DV", "DV_LAYOUT", "dv")]
+
+
+class GluonDQWriter(GluonTiles, DQWriter):
+    """The dQ kernel: a program owns 2 x 64 queries (Q and dR copied once; each warpgroup's row
+    statistics loaded once) and steps over the live key blocks' K and V (the forward's key scan,
+    ``gluon.key_bounds``)."""
+    kernel, ring, own, own_rows, ring_rows = "dq", ("k", "v"), ("q", "do"), "BLOCK_M", "BLOCK_N"
+
+    def scan(self) -> None:
+        r, out = self.r, self.outer
+        out.lines += ["pid_m = tl.program_id(0)", *batch_index(len(r.batch)),
+                      "m_lo = pid_m * BLOCK_M", "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1", *SCAN_LAYOUTS]
+        lo, f0, f1, hi, self.mask_free = key_bounds(self, r.passes()[0])
+        q, k, v = r.dots[0].q, r.dots[0].k, r.reductions[2].v
+        out.lines += [
+            f"q_row = {descriptor_row(self.em, q, out)} + m_lo.to(tl.int32)",
+            "do_row = (pid_b * (ddot_sb // ddot_sm) + m_lo).to(tl.int32)  # dR: our own [batch * M, DV] rows",
+            f"k_row = {descriptor_row(self.em, k, out)}",
+            f"v_row = {descriptor_row(self.em, v, out)}"]
+        self.bounds(lo, f0, f1, hi)
+
+    def compute_prologue(self) -> None:
+        self.compute.lines += [
+            "STAGES: tl.constexpr = k_smem.type.shape[0]",
+            "BLOCK_N: tl.constexpr = k_smem.type.shape[1]",
+            "DK: tl.constexpr = k_smem.type.shape[2]",
+            "S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "instr_shape=[16, BLOCK_N, 16])",
+            "DQ_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            "instr_shape=[16, DK, 16])",
+            "DS_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=2)",
+            f"start_m = pid_m * {2 * WG} + W * {WG}  # this warpgroup's queries",
+            f"offs_m = start_m + tl.arange(0, {WG}, layout=tl.SliceLayout(1, S_LAYOUT))",
+            f"q = q_smem.slice(W * {WG}, {WG})",
+            f"do = do_smem.slice(W * {WG}, {WG})",
+            f"zero_s = tl.zeros([{WG}, BLOCK_N], tl.float32, S_LAYOUT)",
+            f"dq0 = tl.zeros([{WG}, DK], tl.float32, DQ_LAYOUT)",
+            "# this warpgroup's row statistics, once",
+        ]
+        self.em.red_names = {}
+        self.row_values(self.compute)
+
+    def step(self, full: bool) -> list[str]:
+        """One key block ``j`` (ring slot ``i``): S = Q K^T and dP = dR V^T in, the body and its
+        reverse, dQ += dS K out. V's slot is released once dP is done, K's after dQ's product.
+        No bounds masks (whole blocks only, ``runtime.gluon.tiles_usable``)."""
+        loop = Block(parent=self.compute)
+        self.em.dot_names = {0: "qk0"}
+        loop.lines += [
+            "st = i % STAGES",
+            "ph = (i // STAGES) & 1",
+            "start_n = j * BLOCK_N",
+            "mbarrier.wait(k_ready.index(st), ph)",
+            "kb = k_smem.index(st)",
+            "qk0 = warpgroup_mma(q, kb.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # S = Q K^T",
+            "mbarrier.wait(v_ready.index(st), ph)",
+            "dp = warpgroup_mma(do, v_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)  # dP = dR V^T",
+            "offs_n = start_n + tl.arange(0, BLOCK_N, layout=tl.SliceLayout(0, S_LAYOUT))",
+            "qk0 = warpgroup_mma_wait(1, deps=(qk0, ))  # S done, dP in flight",
+        ]
+        self.score_and_grad(full, loop)
+        loop.lines += [
+            "mbarrier.arrive(v_empty.index(st), count=1)",
+            "dsb = tl.convert_layout(ds.to(k_smem.dtype), DS_LAYOUT)",
+            "dq0 = warpgroup_mma(dsb, kb, dq0, is_async=True)  # dQ += dS K",
+            "dq0, dsb = warpgroup_mma_wait(0, deps=(dq0, dsb))",
+            "mbarrier.arrive(k_empty.index(st), count=1)",
+        ]
+        return loop.lines
+
+    def accs_of(self):
+        return [("dq0", self.r.dots[0].q, "DK", "DQ_LAYOUT", "dq")]
+
 
 LOADER = '''@gluon.jit
-def {name}_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty,
-                  do_ready, do_empty, q_row, do_row, k_row, v_row, lo, f0, f1, hi):
-    # this program's K and V once, then Q and dR of every live query block through a ring of
-    # STAGES buffers, in the compute warpgroups' order: masked [lo, f0) and [f1, hi), then [f0, f1)
-    STAGES: tl.constexpr = q_smem.type.shape[0]
-    BLOCK_M: tl.constexpr = q_smem.type.shape[1]
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [v_row, 0], kv_bar, v_smem)
+def {name}_loader(a_desc, b_desc, x_desc, y_desc, a_smem, b_smem, x_smem, y_smem, own_bar, a_ready, a_empty,
+                  b_ready, b_empty, a_row, b_row, x_row, y_row, lo, f0, f1, hi):
+    # this program's own tiles x and y once (dK/dV: K, V; dQ: Q, dR), then a and b (dK/dV: Q, dR;
+    # dQ: K, V) of every live block through a ring of STAGES buffers, in the compute warpgroups'
+    # order: masked [lo, f0) and [f1, hi), then [f0, f1)
+    STAGES: tl.constexpr = a_smem.type.shape[0]
+    BLOCK: tl.constexpr = a_smem.type.shape[1]
+    mbarrier.expect(own_bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [x_row, 0], own_bar, x_smem)
+    tma.async_copy_global_to_shared(y_desc, [y_row, 0], own_bar, y_smem)
     n_head = f0 - lo
     n_mask = n_head + hi - f1
     for i in range(hi - lo):
         j = tl.where(i < n_head, lo + i, tl.where(i < n_mask, f1 + i - n_head, f0 + i - n_mask))
         s = i % STAGES
         ph = (i // STAGES) & 1
-        m0 = j * BLOCK_M
+        r0 = j * BLOCK
         # an empty barrier starts with its phase 1 complete: the first STAGES waits pass
-        mbarrier.wait(q_empty.index(s), ph ^ 1)
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + m0, 0], q_ready.index(s), q_smem.index(s))
-        mbarrier.wait(do_empty.index(s), ph ^ 1)
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [do_row + m0, 0], do_ready.index(s), do_smem.index(s))'''
+        mbarrier.wait(a_empty.index(s), ph ^ 1)
+        mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [a_row + r0, 0], a_ready.index(s), a_smem.index(s))
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+        mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(b_desc, [b_row + r0, 0], b_ready.index(s), b_smem.index(s))'''
 
 
-def generate_gluon_dkdv(region: Region, name: str) -> tuple[str, list]:
-    """Gluon source of the dK/dV kernel ``name`` for ``region`` and the block statistics its
-    scan reads (the Triton dK/dV kernel's: the runtime checks); raises CodegenError where the
-    region has none (``dkdv_support``) or the emitted code would need what Gluon lacks."""
-    why = dkdv_support(region)
+def generate_gluon_tile(region: Region, name: str, kernel: str) -> tuple[str, list]:
+    """Gluon source of the ``kernel`` ("dkdv" or "dq") tile kernel ``name`` for ``region`` and
+    the block statistics its scan reads (the Triton kernel's: the runtime checks); raises
+    CodegenError where the region has none (``tiles_support``) or the emitted code would need
+    what Gluon lacks."""
+    why = tiles_support(region)
     if why:
         raise CodegenError(why)
-    w = GluonDKDVWriter(region, name)
+    w = (GluonDKDVWriter if kernel == "dkdv" else GluonDQWriter)(region, name)
     return w.write(), w.stats

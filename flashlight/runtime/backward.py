@@ -15,7 +15,7 @@ import torch
 from ..codegen.backward import KernelStats
 from ..codegen.emit import CodegenError
 from ..codegen.gluon import gluon_pays
-from ..codegen.gluon_backward import dkdv_support, generate_gluon_dkdv
+from ..codegen.gluon_backward import generate_gluon_tile, tiles_support
 from ..codegen.gradients import GradPlan
 from ..ir import Region
 from ..tune import Config, cdiv, head_block, pow2
@@ -33,7 +33,12 @@ class BackwardKernels:
     dkdv: object
     dq: object
     metas: dict = field(default_factory=dict)      # (kernel, config, TMA) -> (grid, launch_meta)
-    gdkdv: background.Tier = field(default_factory=background.Tier)     # the Gluon dK/dV kernel (Hopper)
+    gdkdv: background.Tier = field(default_factory=background.Tier)     # the Gluon tile kernels (Hopper)
+    gdq: background.Tier = field(default_factory=background.Tier)
+
+    def tier(self, kernel: str) -> background.Tier:
+        """The Gluon ``kernel``'s ("dkdv", "dq") tier over the Triton one."""
+        return self.gdkdv if kernel == "dkdv" else self.gdq
 
     @functools.cached_property
     def writes(self) -> dict[str | None, list[int]]:
@@ -142,69 +147,73 @@ class BackwardKernels:
         grid, meta = self.meta(kernel, cfg, tma)
         op.launch_kernel(fn, grid, args, meta, inputs[0].device if tma else None)
 
-    def run_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, triton_dkdv) -> None:
-        """dK and dV: the Gluon kernel (``codegen/gluon_backward.py``) where it applies and is
-        compiled, else ``triton_dkdv()`` (the Triton kernel under its config), after whose first
-        launch the Gluon kernel compiles in the background (``background.Tier``)."""
+    def run_tile(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict, triton_launch) -> None:
+        """The ``kernel`` ("dkdv": dK and dV; "dq") of one backward: the Gluon kernel
+        (``codegen/gluon_backward.py``) where it applies and is compiled, else ``triton_launch()``
+        (the Triton kernel under its config), after whose first launch the Gluon kernel compiles
+        in the background (``background.Tier``)."""
         ddot = drows[1]
-        applies = self.gluon_dkdv_applies(inputs, rowstats, drows, bufs)
+        applies = self.gluon_tile_applies(kernel, inputs, rowstats, drows, bufs)
+        tier = self.tier(kernel)
         if applies:
-            args = self.tile_args("dkdv", inputs, rowstats, drows, bufs, block_stats)
-            if self.gdkdv.launch(lambda: compile_gluon_dkdv(self),
-                                 lambda kernel: gluon.launch_dkdv(kernel, self.region, args, inputs, ddot)):
+            args = self.tile_args(kernel, inputs, rowstats, drows, bufs, block_stats)
+            if tier.launch(lambda: compile_gluon_tile(self, kernel),
+                           lambda fn: gluon.launch_tile(kernel, fn, self.region, args, inputs, ddot)):
                 return
-        triton_dkdv()
+        triton_launch()
         if applies:
-            self.gdkdv.submit_after(compile_gluon_dkdv_for, inputs[0].device, self, args, inputs, ddot)
+            tier.submit_after(compile_gluon_tile_for, inputs[0].device, self, kernel, args, inputs, ddot)
 
-    def gluon_dkdv_applies(self, inputs, rowstats, drows, bufs) -> bool:
-        """May this backward run the Gluon dK/dV kernel: sm_90, ``FLASHLIGHT_GLUON_DKDV`` (off by
-        default until measured), a region it supports where the Gluon forward measured faster, a
-        usable layout of the inputs, the row statistics and gradients and the dK and dV tensors
-        (``runtime.gluon.dkdv_usable``), unless it failed? The cheap tests first: this runs on
-        every backward."""
-        mode = gluon.mode("dkdv")
-        if (self.gdkdv.kernel is False or mode == "0" or not inputs[0].is_cuda or op.interpreting()
-                or not gluon.hopper(inputs[0].device) or (mode != "all" and self.gluon_dkdv_slower)
-                or self.gluon_dkdv_unsupported):
+    def gluon_tile_applies(self, kernel: str, inputs, rowstats, drows, bufs) -> bool:
+        """May this backward run the Gluon ``kernel``: sm_90, ``FLASHLIGHT_GLUON_DKDV`` / ``_DQ``
+        (off by default until measured), a region it supports where the Gluon forward measured
+        faster, a usable layout of the inputs, the row statistics and gradients and the gradient
+        tensors it writes (``runtime.gluon.tiles_usable``), unless it failed? The cheap tests
+        first: this runs on every backward."""
+        mode = gluon.mode(kernel)
+        if (self.tier(kernel).kernel is False or mode == "0" or not inputs[0].is_cuda or op.interpreting()
+                or not gluon.hopper(inputs[0].device) or (mode != "all" and self.gluon_tiles_slower)
+                or self.gluon_tiles_unsupported):
             return False
-        grads = [bufs[e.args[0]] for e in (self.region.dots[0].k, self.region.reductions[2].v)]
-        return gluon.dkdv_usable(self.region, inputs, drows[1], grads, [rowstats, drows[0]])
+        r = self.region
+        operands = (r.dots[0].k, r.reductions[2].v) if kernel == "dkdv" else (r.dots[0].q, )
+        grads = [bufs[e.args[0]] for e in operands]
+        return gluon.tiles_usable(kernel, r, inputs, drows[1], grads, [rowstats, drows[0]])
 
     @functools.cached_property
-    def gluon_dkdv_unsupported(self) -> str:
-        return dkdv_support(self.region)
+    def gluon_tiles_unsupported(self) -> str:
+        return tiles_support(self.region)
 
     @functools.cached_property
-    def gluon_dkdv_slower(self) -> str:
-        """Where the Gluon forward is not the default (``gluon_pays``), neither is this kernel
+    def gluon_tiles_slower(self) -> str:
+        """Where the Gluon forward is not the default (``gluon_pays``), neither are these kernels
         (the same schedule: it needs long loops of long products)."""
         return gluon_pays(self.region)
 
 
-def compile_gluon_dkdv(k: BackwardKernels):
-    """The region's Gluon dK/dV kernel (``codegen.gluon_backward``), or None. Its query scan
-    reads the same block statistics as the Triton dK/dV kernel's (checked here)."""
-    placeholder = "fl_gdkdv"
+def compile_gluon_tile(k: BackwardKernels, kernel: str):
+    """The region's Gluon ``kernel`` ("dkdv", "dq"; ``codegen.gluon_backward``), or None. Its
+    scan reads the same block statistics as the Triton kernel's (checked here)."""
+    placeholder = f"fl_g{kernel}"
     try:
-        source, stats = generate_gluon_dkdv(k.region, placeholder)
-        if stats != k.stats.dkdv:
-            raise CodegenError("the Gluon dK/dV kernel's block statistics differ from the Triton kernel's")
+        source, stats = generate_gluon_tile(k.region, placeholder, kernel)
+        if stats != (k.stats.dkdv if kernel == "dkdv" else k.stats.dq):
+            raise CodegenError(f"the Gluon {kernel} kernel's block statistics differ from the Triton kernel's")
     except CodegenError:
         if os.environ.get("FLASHLIGHT_STRICT") == "1":
             raise
         return None         # the Triton kernel serves
-    name = f"fl_gdkdv_{source_hash(source)}"
+    name = f"{placeholder}_{source_hash(source)}"
     module, _ = load_module(name, source.replace(placeholder, name))
     return getattr(module, name)
 
 
-def compile_gluon_dkdv_for(k: BackwardKernels, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor):
-    """``compile_gluon_dkdv``, then its Triton compile for this launch (the background task)."""
-    kernel = compile_gluon_dkdv(k)
-    if kernel is not None:
-        gluon.compile_dkdv_for(kernel, k.region, args, inputs, ddot)
-    return kernel
+def compile_gluon_tile_for(k: BackwardKernels, kernel: str, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor):
+    """``compile_gluon_tile``, then its Triton compile for this launch (the background task)."""
+    fn = compile_gluon_tile(k, kernel)
+    if fn is not None:
+        gluon.compile_tile_for(kernel, fn, k.region, args, inputs, ddot)
+    return fn
 
 
 # at the end: op imports this module (a function-level import would cost ~1 µs on every launch); its launch

@@ -6,8 +6,8 @@ cannot read.
 ``FLASHLIGHT_GLUON`` chooses: ``1`` (the default) where the Gluon forward measured faster than
 the Triton kernel (``codegen.gluon.gluon_pays``), ``all`` wherever it applies (the GPU tests),
 ``0`` never (an A/B in one process: ``benchmarks.run --b-env FLASHLIGHT_GLUON=0``).
-``FLASHLIGHT_GLUON_DKDV`` does the same for the backward's dK/dV kernel, whose default is ``0``
-until a GPU run has checked and timed it.
+``FLASHLIGHT_GLUON_DKDV`` and ``FLASHLIGHT_GLUON_DQ`` do the same for the backward's dK/dV and dQ
+kernels, whose default is ``0`` until a GPU run has checked and timed them.
 """
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ from ..tune import cdiv, pow2
 
 
 def mode(kernel: str = "fwd") -> str:
-    """``FLASHLIGHT_GLUON`` for the forward, ``FLASHLIGHT_GLUON_DKDV`` for the dK/dV kernel:
-    "1", "all" or "0" (read per launch: the tests and A/Bs switch them). The dK/dV kernel is off
-    by default: it compiles for sm_90 but has not run on a GPU yet (docs/notes.md, session 11)."""
-    if kernel == "dkdv":
-        return os.environ.get("FLASHLIGHT_GLUON_DKDV", "0")
-    return os.environ.get("FLASHLIGHT_GLUON", "1")
+    """``FLASHLIGHT_GLUON`` for the forward, ``FLASHLIGHT_GLUON_DKDV`` / ``_DQ`` for the tile
+    kernels ("dkdv", "dq"): "1", "all" or "0" (read per launch: the tests and A/Bs switch them).
+    The tile kernels are off by default: they compile for sm_90 but have not run on a GPU yet
+    (docs/notes.md, sessions 11 and 12)."""
+    if kernel == "fwd":
+        return os.environ.get("FLASHLIGHT_GLUON", "1")
+    return os.environ.get(f"FLASHLIGHT_GLUON_{kernel.upper()}", "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,16 +116,17 @@ def compile_for(kernel, region: Region, args: list, inputs: list[torch.Tensor], 
     kernel.warmup(*args, grid=grid(region), **launch_meta(region, inputs, stats))
 
 
-# -- the backward's dK/dV kernel (codegen/gluon_backward.py) ---------------------------------------
-def dkdv_usable(region: Region, inputs: list[torch.Tensor], ddot: torch.Tensor, grads: list[torch.Tensor],
-                rows: list[torch.Tensor]) -> bool:
-    """May this backward run the Gluon dK/dV kernel? Whole query and key blocks (64 and 128), Q,
-    K and V readable as rows (``operand_rows``) in a 16-bit type, the product's row gradient
-    ``ddot`` one [batch * M, DV] tile of rows, the tensors it writes dK and dV into (``grads``)
-    with contiguous 16-byte aligned rows, as the kernel's stores assume, and the row statistics
-    and row gradients (``rows``) contiguous, as its loads assume."""
+# -- the backward's tile kernels (codegen/gluon_backward.py): "dkdv" and "dq" -------------------
+def tiles_usable(kernel: str, region: Region, inputs: list[torch.Tensor], ddot: torch.Tensor,
+                 grads: list[torch.Tensor], rows: list[torch.Tensor]) -> bool:
+    """May this backward run the Gluon ``kernel`` ("dkdv" or "dq")? Whole query and key blocks
+    (``gluon_backward.BLOCKS``), Q, K and V readable as rows (``operand_rows``) in a 16-bit type,
+    the product's row gradient ``ddot`` one [batch * M, DV] tile of rows, the tensors the kernel
+    writes its gradients into (``grads``) with contiguous 16-byte aligned rows, as its stores
+    assume, and the row statistics and row gradients (``rows``) contiguous, as its loads assume."""
     r = region
-    return (r.M % gb.BLOCK_M == 0 and r.N % gb.BLOCK_N == 0 and ddot.shape[-1] == r.DV and ddot.dtype in DTYPES
+    bm, bn = gb.BLOCKS[kernel]
+    return (r.M % bm == 0 and r.N % bn == 0 and ddot.shape[-1] == r.DV and ddot.dtype in DTYPES
             and all(x.is_contiguous() for x in rows)
             and all(x.dtype in DTYPES and operand_rows(x, d, head)
                     for (x, d), head in ((operand(r, inputs, "q"), r.DK), (operand(r, inputs, "k"), r.DK),
@@ -138,26 +140,29 @@ def aligned_rows(x: torch.Tensor) -> bool:
             and all(st * x.element_size() % 16 == 0 for st, size in zip(x.stride()[:-1], x.shape[:-1]) if size > 1))
 
 
-def dkdv_meta(region: Region, inputs: list[torch.Tensor], ddot: torch.Tensor) -> dict:
-    """The dK/dV launch's keyword arguments: the Q, dR, K and V descriptors, the constexprs, the
-    warps and the register cap."""
+def tile_meta(kernel: str, region: Region, inputs: list[torch.Tensor], ddot: torch.Tensor) -> dict:
+    """A tile kernel's keyword arguments: the Q, dR, K and V descriptors (of BLOCK_M query rows
+    and BLOCK_N key rows), the constexprs, the warps and the register cap."""
     r = region
-    return dict(q_desc=descriptor(*operand(r, inputs, "q"), rows=gb.BLOCK_M), do_desc=descriptor(ddot, 1, gb.BLOCK_M),
-                k_desc=descriptor(*operand(r, inputs, "k"), rows=gb.BLOCK_N),
-                v_desc=descriptor(*operand(r, inputs, "v"), rows=gb.BLOCK_N),
-                DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, gb.BLOCK_M)), BLOCK_M=gb.BLOCK_M, BLOCK_N=gb.BLOCK_N,
-                STAGES=gb.STAGES, num_warps=4, maxnreg=gb.MAXNREG)
+    bm, bn = gb.BLOCKS[kernel]
+    scan = cdiv(r.M, bm) if kernel == "dkdv" else cdiv(r.N, bn)      # the blocks its scan visits
+    return dict(q_desc=descriptor(*operand(r, inputs, "q"), rows=bm), do_desc=descriptor(ddot, 1, bm),
+                k_desc=descriptor(*operand(r, inputs, "k"), rows=bn), v_desc=descriptor(*operand(r, inputs, "v"), rows=bn),
+                DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(scan), BLOCK_M=bm, BLOCK_N=bn, STAGES=gb.STAGES, num_warps=4,
+                maxnreg=gb.MAXNREG)
 
 
-def dkdv_grid(region: Region) -> tuple[int, int]:
-    return cdiv(region.N, gb.BLOCK_N), math.prod(region.batch)
+def tile_grid(kernel: str, region: Region) -> tuple[int, int]:
+    """dK/dV: a program per key block; dQ: per query block."""
+    bm, bn = gb.BLOCKS[kernel]
+    return cdiv(region.N, bn) if kernel == "dkdv" else cdiv(region.M, bm), math.prod(region.batch)
 
 
-def launch_dkdv(kernel, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
-    """One dK/dV launch: ``args`` are the Triton dK/dV kernel's (``BackwardKernels.tile_args``)."""
-    kernel[dkdv_grid(region)](*args, **dkdv_meta(region, inputs, ddot))
+def launch_tile(kernel: str, fn, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
+    """One launch of the Gluon ``kernel``: ``args`` are the Triton kernel's (``BackwardKernels.tile_args``)."""
+    fn[tile_grid(kernel, region)](*args, **tile_meta(kernel, region, inputs, ddot))
 
 
-def compile_dkdv_for(kernel, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
-    """``compile_for`` of the dK/dV kernel."""
-    kernel.warmup(*args, grid=dkdv_grid(region), **dkdv_meta(region, inputs, ddot))
+def compile_tile_for(kernel: str, fn, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
+    """``compile_for`` of a tile kernel."""
+    fn.warmup(*args, grid=tile_grid(kernel, region), **tile_meta(kernel, region, inputs, ddot))

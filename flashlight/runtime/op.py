@@ -299,10 +299,7 @@ class CompiledRegion:
             def triton(kernel=kernel, launch=launch):
                 self.fitting(inputs, lambda cfg: launch(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
                              tune=lambda cfg: tuned_run(k, kernel, launch, inputs, rowstats, drows, block_stats, cfg))
-            if kernel == "dkdv":     # on Hopper, a Gluon kernel where it applies (runtime.backward)
-                k.run_dkdv(inputs, rowstats, drows, bufs, block_stats, triton)
-            else:
-                triton()
+            k.run_tile(kernel, inputs, rowstats, drows, bufs, block_stats, triton)   # on Hopper, Gluon where it applies
         self.bwd_launches += 1
         return k.results(inputs, bufs)
 
