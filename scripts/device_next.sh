@@ -3,9 +3,10 @@
 #   A (~8 min): the Gluon tile kernels' first GPU run, one kernel at a time (a wrong barrier
 #     phase hangs: the timeouts bound it), the GPU tests, and where the backward's time goes
 #     with the Gluon dK/dV and dQ kernels on and off (torch.profiler, per kernel).
-#   B (~9 min): the training suite with both Gluon tile kernels against neither (issue #5's
-#     table: Flex and Inductor in the same run), and the cold first call with and without the
-#     launcher prebuild (issue #6).
+#   B (~9 min): the training suite with both Gluon tile kernels wherever they apply ("all": D=64
+#     and the document mask too, where the forward keeps Triton's kernel) against neither (issue
+#     #5's table: Flex and Inductor in the same run), and the cold first call with and without
+#     the launcher prebuild (issue #6). Then choose the tile kernels' default rule from the A/B.
 set -o pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
@@ -18,14 +19,14 @@ A)
   done
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k gluon > $OUT/test_gpu.txt 2>&1
   tail -4 $OUT/test_gpu.txt | cut -c1-300
-  for on in 1 0; do
-    FLASHLIGHT_GLUON_DKDV=$on FLASHLIGHT_GLUON_DQ=$on timeout 100 python3 -m benchmarks.kernels --variants causal,vanilla \
-      --d 128 --step --out $OUT/kernels_gluon$on 2>&1 | nogrep > $OUT/kernels_gluon$on.txt
-    echo "gluon tiles $on:"; grep -E "do_bench|fl_|_dq|_rows" $OUT/kernels_gluon$on.txt | cut -c1-150 | head -16
+  for on in all 0; do     # "all": also where the forward keeps Triton's kernel (the document mask)
+    FLASHLIGHT_GLUON_DKDV=$on FLASHLIGHT_GLUON_DQ=$on timeout 150 python3 -m benchmarks.kernels \
+      --variants causal,vanilla,document_mask --d 128 --step --out $OUT/kernels_gluon$on 2>&1 | nogrep > $OUT/kernels_gluon$on.txt
+    echo "gluon tiles $on:"; grep -E "do_bench| fl_" $OUT/kernels_gluon$on.txt | cut -c1-150 | head -24
   done
   ;;
 B)
-  FLASHLIGHT_GLUON_DKDV=1 FLASHLIGHT_GLUON_DQ=1 timeout 330 python3 -m benchmarks.run --suite training \
+  FLASHLIGHT_GLUON_DKDV=all FLASHLIGHT_GLUON_DQ=all timeout 330 python3 -m benchmarks.run --suite training \
     --b-env FLASHLIGHT_GLUON_DKDV=0,FLASHLIGHT_GLUON_DQ=0 --backends flashlight,flashlight_b,flex,inductor \
     --no-plots --time-limit 300 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170

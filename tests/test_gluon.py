@@ -308,3 +308,20 @@ def test_generated_gluon_tile_kernels_compile_for_sm90():
     for r in rows:      # variant kernel gluon secs regs spills smem async sass...
         assert r[7] == "async" and any(x.startswith("UTMALDG=") for x in r), r
         assert r[1] != "gdq" or r[5] == "0/0", r
+
+
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+def test_score_loads_are_issued_with_the_products_in_flight(region, kernel):
+    """A document mask's ids of the loop's blocks load before the wait for S (their latency
+    hidden behind the products), the other side's once in the prologue; the body reuses them."""
+    from flashlight.codegen.gluon_backward import generate_gluon_tile
+    c, _ = region("document_mask")
+    src, _ = generate_gluon_tile(c.region, "k", kernel)
+    compute = src[src.index("def k_compute("):src.index("def k_compute0(")]
+    prologue, loop = compute.split("for i in range(0, n_mask):")[0], compute.split("for i in range(0, n_mask):")[1]
+    step = loop.split("for i in range(n_mask, hi - lo):")[0]
+    loads = [line.split("=")[0].strip() for line in step.splitlines() if "tl.load(in" in line]
+    assert len(loads) == 1, step                       # the ids of this step's block
+    assert step.index(loads[0] + " = tl.load") < step.index("warpgroup_mma_wait(1")
+    assert step.count(loads[0]) >= 2                   # and the mask reads them
+    assert prologue.count("tl.load(in") == 1, prologue   # the program's own rows' ids, once

@@ -30,7 +30,7 @@ operand. Not yet run on a GPU (docs/notes.md, session 12).
 """
 from __future__ import annotations
 
-from ..ir import Region, dot
+from ..ir import Region, dot, refs, walk
 from ..ir.derivative import vjp
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, full_body, useful
@@ -167,6 +167,17 @@ class GluonTiles:
                 self.em.red_names[j] = f"r{j}_s"
             elif rd.kind == "sum" and j in self.plan.members:
                 block.lines.append(f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}){vec}")
+
+    def prefetch(self, full: bool, loop: Block) -> None:
+        """The score program's loads of this step (a document mask's ids, a bias tile), issued
+        with the products in flight: emitted where the body would load them, they would wait
+        for S first and stall the warpgroup for their latency. (Loads that do not change along
+        the loop are hoisted to the prologue as before; the body reuses these names.)"""
+        body = self.r.reductions[2].body
+        ctx = GCTX_ST if self.transposed else GCTX_S
+        for x in walk(full_body(body) if full else body):
+            if x.op == "load" and not refs(x, "dot") and not refs(x, "red"):
+                self.em.emit(x, ctx, loop)
 
     def score_and_grad(self, full: bool, loop: Block) -> None:
         """The score program's body ``p`` on ``qk0`` (between the two products' waits), then the
@@ -327,6 +338,7 @@ class GluonDKDVWriter(GluonTiles, DKDVWriter):
             "offs_m = start_m + tl.arange(0, BLOCK_M, layout=tl.SliceLayout(0, S_LAYOUT))",
         ]
         self.row_values(loop)
+        self.prefetch(full, loop)
         loop.lines.append("qk0 = warpgroup_mma_wait(1, deps=(qk0, ))  # S^T done, dP^T in flight")
         self.score_and_grad(full, loop)
         loop.lines += [
@@ -401,8 +413,9 @@ class GluonDQWriter(GluonTiles, DQWriter):
             "mbarrier.wait(v_ready.index(st), ph)",
             "dp = warpgroup_mma(do, v_smem.index(st).permute((1, 0)), zero_s, use_acc=False, is_async=True)  # dP = dR V^T",
             "offs_n = start_n + tl.arange(0, BLOCK_N, layout=tl.SliceLayout(0, S_LAYOUT))",
-            "qk0 = warpgroup_mma_wait(1, deps=(qk0, ))  # S done, dP in flight",
         ]
+        self.prefetch(full, loop)
+        loop.lines.append("qk0 = warpgroup_mma_wait(1, deps=(qk0, ))  # S done, dP in flight")
         self.score_and_grad(full, loop)
         loop.lines += [
             "mbarrier.arrive(v_empty.index(st), count=1)",
