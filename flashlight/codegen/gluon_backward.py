@@ -365,7 +365,10 @@ class GluonDQWriter(GluonTiles, DQWriter):
 
     def scan(self) -> None:
         r, out = self.r, self.outer
-        out.lines += ["pid_m = tl.program_id(0)", *batch_index(len(r.batch)),
+        # the last query blocks first: under a causal mask they are the longest programs, and a
+        # long program starting in the last wave is the kernel's tail (the dK/dV kernel's
+        # heaviest blocks, the first keys, already start first)
+        out.lines += ["pid_m = tl.num_programs(0) - 1 - tl.program_id(0)", *batch_index(len(r.batch)),
                       "m_lo = pid_m * BLOCK_M", "m_hi = tl.minimum(m_lo + BLOCK_M, M) - 1", *SCAN_LAYOUTS]
         lo, f0, f1, hi, self.mask_free = key_bounds(self, r.passes()[0])
         q, k, v = r.dots[0].q, r.dots[0].k, r.reductions[2].v
