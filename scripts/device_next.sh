@@ -14,23 +14,23 @@ nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
 A)
   for k in dkdv dq; do
-    timeout 90 python3 -m benchmarks.gluon_smoke --kernels $k 2>&1 | nogrep | tee $OUT/smoke_$k.txt | cut -c1-200
+    timeout -k 10 150 python3 -m benchmarks.gluon_smoke --kernels $k 2>&1 | nogrep | tee $OUT/smoke_$k.txt | cut -c1-200
     echo "smoke $k rc ${PIPESTATUS[0]}"
   done
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k gluon > $OUT/test_gpu.txt 2>&1
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k gluon > $OUT/test_gpu.txt 2>&1
   tail -4 $OUT/test_gpu.txt | cut -c1-300
   for on in all 0; do     # "all": also where the forward keeps Triton's kernel (the document mask)
-    FLASHLIGHT_GLUON_DKDV=$on FLASHLIGHT_GLUON_DQ=$on timeout 150 python3 -m benchmarks.kernels \
+    FLASHLIGHT_GLUON_DKDV=$on FLASHLIGHT_GLUON_DQ=$on timeout -k 10 150 python3 -m benchmarks.kernels \
       --variants causal,vanilla,document_mask --d 128 --step --out $OUT/kernels_gluon$on 2>&1 | nogrep > $OUT/kernels_gluon$on.txt
     echo "gluon tiles $on:"; grep -E "do_bench| fl_" $OUT/kernels_gluon$on.txt | cut -c1-150 | head -24
   done
   ;;
 B)
-  FLASHLIGHT_GLUON_DKDV=all FLASHLIGHT_GLUON_DQ=all timeout 330 python3 -m benchmarks.run --suite training \
+  FLASHLIGHT_GLUON_DKDV=all FLASHLIGHT_GLUON_DQ=all timeout -k 10 330 python3 -m benchmarks.run --suite training \
     --b-env FLASHLIGHT_GLUON_DKDV=0,FLASHLIGHT_GLUON_DQ=0 --backends flashlight,flashlight_b,flex,inductor \
     --no-plots --time-limit 300 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
-  timeout 180 python3 -m benchmarks.first_call --variants causal,alibi,document_12,full --d 128 \
+  timeout -k 10 180 python3 -m benchmarks.first_call --variants causal,alibi,document_12,full --d 128 \
     --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call.txt | tail -20
   ;;
 esac

@@ -127,8 +127,8 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
     monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "0")     # the Triton tile kernels on the same row statistics
     monkeypatch.setenv("FLASHLIGHT_GLUON_DQ", "0")
     triton_grads = torch.autograd.grad(fn(*inputs), leaves, dout)
-    for i, (g, t) in enumerate(zip(grads, triton_grads)):
-        assert rel_error(g, t.double()) < GRAD_TOL, (i, rel_error(g, t.double()))
+    for i, (g, t) in enumerate(zip(grads, triton_grads)):   # both round P and dS to bf16 alike: tighter
+        assert rel_error(g, t.double()) < FWD_TOL, (i, rel_error(g, t.double()))
     monkeypatch.setenv("FLASHLIGHT_GLUON", "0")
     with torch.no_grad():
         triton_out = fn(*inputs)

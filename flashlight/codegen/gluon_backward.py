@@ -46,7 +46,6 @@ RING = 64            # rows of the other operand per step (dK/dV: queries; dQ: k
 # (BLOCK_M, BLOCK_N) per kernel: a dK/dV program owns 2 x 64 keys and steps over 64 queries, a dQ
 # program owns 2 x 64 queries and steps over 64 keys
 BLOCKS = {"dkdv": (RING, 2 * WG), "dq": (2 * WG, RING)}
-BLOCK_M, BLOCK_N = BLOCKS["dkdv"]
 STAGES = 2
 MAXNREG = 168        # as the forward: 240 registers per compute thread, 24 for the loader
 

@@ -135,9 +135,11 @@ def tiles_usable(kernel: str, region: Region, inputs: list[torch.Tensor], ddot: 
 
 
 def aligned_rows(x: torch.Tensor) -> bool:
-    """Last stride 1, every other stride of a dim longer than 1 and the address 16-byte multiples."""
+    """Last stride 1, the address 16-byte aligned, and every other stride of a dim longer than 1
+    a multiple of 8 elements and of 16 bytes (the stores' ``tl.multiple_of(stride, 8)`` hints)."""
     return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all(st * x.element_size() % 16 == 0 for st, size in zip(x.stride()[:-1], x.shape[:-1]) if size > 1))
+            and all(st % 8 == 0 and st * x.element_size() % 16 == 0
+                    for st, size in zip(x.stride()[:-1], x.shape[:-1]) if size > 1))
 
 
 def tile_meta(kernel: str, region: Region, inputs: list[torch.Tensor], ddot: torch.Tensor) -> dict:
