@@ -5,8 +5,11 @@
 #     with the Gluon dK/dV and dQ kernels on and off (torch.profiler, per kernel).
 #   B (~9 min): the training suite with both Gluon tile kernels wherever they apply ("all": D=64
 #     and the document mask too, where the forward keeps Triton's kernel) against neither (issue
-#     #5's table: Flex and Inductor in the same run), and the cold first call with and without
-#     the launcher prebuild (issue #6). Then choose the tile kernels' default rule from the A/B.
+#     #5's table: Flex and Inductor in the same run), and the cold first call against the same
+#     without the quick start and the launcher prebuild (issue #6). Then choose the tile
+#     kernels' default rule from the A/B.
+#   C (~5 min): the D=128 half of the flex suite with cold caches, as session 11's run 1 (first
+#     calls against Flex with the quick start; steady state; cuDNN on full attention).
 set -o pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
@@ -14,13 +17,13 @@ nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
 A)
   for k in dkdv dq; do
-    timeout -k 10 150 python3 -m benchmarks.gluon_smoke --kernels $k 2>&1 | nogrep | tee $OUT/smoke_$k.txt | cut -c1-200
+    timeout -k 10 110 python3 -m benchmarks.gluon_smoke --kernels $k 2>&1 | nogrep | tee $OUT/smoke_$k.txt | cut -c1-200
     echo "smoke $k rc ${PIPESTATUS[0]}"
   done
-  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k gluon > $OUT/test_gpu.txt 2>&1
+  timeout -k 10 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "gluon or quick" > $OUT/test_gpu.txt 2>&1
   tail -4 $OUT/test_gpu.txt | cut -c1-300
   for on in all 0; do     # "all": also where the forward keeps Triton's kernel (the document mask)
-    FLASHLIGHT_GLUON_DKDV=$on FLASHLIGHT_GLUON_DQ=$on timeout -k 10 150 python3 -m benchmarks.kernels \
+    FLASHLIGHT_GLUON_DKDV=$on FLASHLIGHT_GLUON_DQ=$on timeout -k 10 90 python3 -m benchmarks.kernels \
       --variants causal,vanilla,document_mask --d 128 --step --out $OUT/kernels_gluon$on 2>&1 | nogrep > $OUT/kernels_gluon$on.txt
     echo "gluon tiles $on:"; grep -E "do_bench| fl_" $OUT/kernels_gluon$on.txt | cut -c1-150 | head -24
   done
@@ -31,6 +34,11 @@ B)
     --no-plots --time-limit 300 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
   timeout -k 10 180 python3 -m benchmarks.first_call --variants causal,alibi,document_12,full --d 128 \
-    --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call.txt | tail -20
+    --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_QUICK=0,FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call.txt | tail -20
+  ;;
+C)
+  timeout -k 10 330 python3 -m benchmarks.run --suite flex --dims 128 --backends flashlight,flex,sdpa_cudnn \
+    --time-limit 300 --out $OUT/flex128 > $OUT/flex128.txt 2>&1
+  echo "flex rc $?"; tail -27 $OUT/flex128.txt | cut -c1-170
   ;;
 esac

@@ -236,3 +236,35 @@ def test_gluon_tile_kernels_long_loops_and_fallbacks(name, D, M, N, monkeypatch)
     ref_grads = torch.autograd.grad(ref, ref_in, to64(dout))
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
         assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))
+
+
+@pytest.mark.parametrize("name,D", [("causal", 128), ("document_mask", 64)])
+def test_quick_start_then_the_regions_own_kernel(name, D, monkeypatch):
+    """A masked region's first call runs the dense kernel (runtime.op.QuickStart) while its own
+    compiles on a background thread (Triton's warmup and the launcher); after ``flashlight.wait()``
+    the own kernel serves. Outputs against float64 both times; gradients from the dense kernel's
+    row statistics."""
+    from flashlight.runtime import op
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "0")     # the Triton kernels only
+    op.OWN_COMPILED.clear()
+    REGISTRY.clear()
+    inputs = _inputs(name, B=2, H=4, M=384, D=D, dtype=torch.bfloat16)
+    leaves = [x.requires_grad_() for x in inputs if x.is_floating_point()]
+    fn = torch.compile(VARIANTS[name].attention, backend="flashlight", dynamic=False)
+    ref_in = [to64(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    ref = VARIANTS[name].attention(*ref_in).nan_to_num(0)
+    out = fn(*inputs)
+    (c,) = REGISTRY.values()
+    assert isinstance(c.quick, op.QuickStart)
+    assert rel_error(out, ref) < FWD_TOL
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_grads = torch.autograd.grad(VARIANTS[name].attention(*ref_in), [x for x in ref_in if x.is_floating_point()],
+                                    to64(dout))
+    for g, r in zip(grads, ref_grads):
+        assert rel_error(g, r.nan_to_num(0)) < GRAD_TOL
+    flashlight.wait()
+    with torch.no_grad():
+        out = fn(*inputs)
+    assert c.quick is False and c.name in op.OWN_COMPILED
+    assert rel_error(out, ref) < FWD_TOL

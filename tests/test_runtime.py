@@ -512,3 +512,66 @@ def test_the_suite_runs_with_poisoned_buffers():
     stored = c.backward_kernels().buffers(list(xs))
     assert stored and all(b.isnan().all() for b in stored.values())       # causal: every gradient stored
     assert not buffers.unwritten(torch.zeros(3, dtype=torch.int32)).any()      # integer buffers as they are
+
+
+# -- the quick start (runtime.op.QuickStart) ------------------------------------------------------
+def grads64(mod, inputs, dout):
+    """Float64 eager's output and gradients of the floating inputs for ``dout``."""
+    leaves = [to64(x).detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
+    out = mod.attention(*leaves)
+    return out, torch.autograd.grad(out, [x for x in leaves if x.is_floating_point()], to64(dout))
+
+
+@pytest.mark.parametrize("mod", [causal, document_mask], ids=lambda m: m.__name__.rsplit(".")[-1])
+def test_a_masked_region_starts_with_the_dense_kernel(mod, monkeypatch):
+    """``FLASHLIGHT_QUICK=force`` (the GPU default, forced under the interpreter): the first call
+    runs the kernel without block sparsity while the region's own compiles in the background, the
+    calls after it the region's own; outputs and gradients (the backward reads the dense kernel's
+    row statistics) match float64 either way, at a ragged size."""
+    from flashlight.runtime import op
+    monkeypatch.setenv("FLASHLIGHT_QUICK", "force")
+    op.OWN_COMPILED.clear()
+    op.REGISTRY.clear()
+    launched = []
+    real = op.launch_kernel
+    monkeypatch.setattr(op, "launch_kernel", lambda k, *a: launched.append(k) or real(k, *a))
+    inputs = [x.requires_grad_() if x.is_floating_point() else x for x in mod.make_inputs(B=1, H=2, M=70, D=16)]
+    fn = torch.compile(mod.attention, backend="flashlight")
+    for call in range(2):
+        launched.clear()
+        out = fn(*inputs)
+        (c,) = op.REGISTRY.values()
+        if call == 0:
+            assert isinstance(c.quick, op.QuickStart) and launched[0] is c.quick.kernel
+        else:
+            assert c.quick is False and launched[0] is c.kernel
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(call))
+        got = torch.autograd.grad(out, [x for x in inputs if x.is_floating_point()], dout)
+        ref, want = grads64(mod, inputs, dout)
+        assert rel_error(out, ref) < 1e-3
+        for g, w in zip(got, want):
+            assert rel_error(g, w) < 1e-3
+        flashlight.wait()
+
+
+def test_no_quick_start_without_a_mask_or_background(monkeypatch):
+    """A region without a useful mask has one kernel already; with compiles blocking
+    (``FLASHLIGHT_BACKGROUND=0``) or ``FLASHLIGHT_QUICK=0`` the region's own kernel runs first;
+    under the interpreter, by default, too (nothing to save)."""
+    from flashlight.examples import vanilla
+    from flashlight.runtime import op
+    cases = [(vanilla, {"FLASHLIGHT_QUICK": "force"}),
+             (causal, {"FLASHLIGHT_QUICK": "force", "FLASHLIGHT_BACKGROUND": "0"}),
+             (causal, {"FLASHLIGHT_QUICK": "0"}), (causal, {})]
+    for mod, env in cases:
+        op.OWN_COMPILED.clear()
+        op.REGISTRY.clear()
+        torch.compiler.reset()
+        for k in ("FLASHLIGHT_QUICK", "FLASHLIGHT_BACKGROUND"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        with torch.no_grad():
+            torch.compile(mod.attention, backend="flashlight")(*mod.make_inputs(B=1, H=1, M=20, D=16))
+        (c,) = op.REGISTRY.values()
+        assert c.quick is False, (mod.__name__, env)
