@@ -325,3 +325,20 @@ def test_score_loads_are_issued_with_the_products_in_flight(region, kernel):
     assert step.index(loads[0] + " = tl.load") < step.index("warpgroup_mma_wait(1")
     assert step.count(loads[0]) >= 2                   # and the mask reads them
     assert prologue.count("tl.load(in") == 1, prologue   # the program's own rows' ids, once
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+def test_snapshot_of_the_gluon_kernels(region, kernel):
+    """The generated Gluon forward (the GPU-validated one), dK/dV and dQ kernels of the causal
+    region: a change in their source shows up in review (``UPDATE_SNAPSHOTS=1`` rewrites)."""
+    import os
+    from pathlib import Path
+
+    from flashlight.codegen.gluon import generate_gluon
+    from flashlight.codegen.gluon_backward import generate_gluon_tile
+    c, _ = region("causal")
+    src = generate_gluon(c.region, "k")[0] if kernel == "fwd" else generate_gluon_tile(c.region, "k", kernel)[0]
+    path = Path(__file__).parent / "snapshots" / f"gluon_causal_{kernel}.py"
+    if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not path.exists():
+        path.write_text(src)
+    assert src == path.read_text(), "generated source changed: review, then UPDATE_SNAPSHOTS=1"

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from triton.runtime.errors import OutOfResources
 
-from .._compat import FastLaunch, fast_launch, prebuild_launcher, with_scratch
+from .._compat import fast_launch, with_scratch
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
 from ..codegen.gradients import grad_plan
@@ -37,6 +37,7 @@ from . import background, decode, descriptors, gluon
 from .backward import BackwardKernels
 from .buffers import unwritten
 from .cache import load_module, source_hash
+from .quick import OWN_COMPILED, QuickStart, compile_own_for, compile_quick, quick_wanted  # noqa: F401
 
 REGISTRY: dict[str, "CompiledRegion"] = {}
 MEASURE_SPARSITY = False     # set by explain(): record the fraction of key blocks skipped
@@ -530,67 +531,6 @@ def compile_gluon_for(c: CompiledRegion, args: list, inputs: list[torch.Tensor],
     if kernel is not None:
         gluon.compile_for(kernel, c.region, args, inputs, stats)
     return kernel
-
-
-@dataclass
-class QuickStart:
-    """The kernel a masked region's first calls run while its own compiles in the background: the
-    same program without block sparsity (``codegen.generate(sparse=False)``: every key block in
-    one masked loop, no scan), whose compile is a third shorter than the two-loop kernel's
-    (0.36-0.48 s against 0.61-0.81 s for causal, ALiBi, sliding window and the document mask at
-    D=128, offline on the CPU machine, session 12) — the first call's critical path — at the cost
-    of visiting dead blocks on those calls. Its outputs and row statistics are the region's own
-    kernel's (the backward reads either)."""
-    kernel: object          # the dense kernel (FastLaunch)
-    stats: list             # its block statistics (none: it has no scan)
-    tma: dict               # the inputs its tensor descriptors read
-    future: object = None   # the region's own kernel compiling in the background
-
-    def launch(self, r: Region, cfg: Config, stats: bool, inputs, outs, rowstats, grid) -> None:
-        tma = descriptors.flag(self.tma, inputs)
-        args = kernel_args(r, self.stats, inputs, outs, rowstats)
-        launch_kernel(self.kernel, grid, args, launch_meta(r, cfg, stats, tma), inputs[0].device if tma else None)
-
-
-# kernels (by name) this process compiled: a region sharing one skips the quick start
-OWN_COMPILED: set[str] = set()
-
-
-def quick_wanted(c: CompiledRegion, inputs: list[torch.Tensor], gluon_ok: bool) -> bool:
-    """Does this region start with the quick kernel? A mask that skips blocks (``c.sparse``: the
-    two-loop kernel), compiles in the background (``FLASHLIGHT_BACKGROUND``), no autotuning, a
-    GPU launch, its own kernel not already compiled by this process. ``FLASHLIGHT_QUICK=0`` turns
-    it off; ``force`` also under the interpreter (the CPU tests)."""
-    mode = os.environ.get("FLASHLIGHT_QUICK", "1")
-    if mode == "0" or not c.sparse or not background.enabled() or c.max_autotune or not gluon_ok \
-            or c.name in OWN_COMPILED:
-        return False
-    return mode == "force" or (inputs[0].is_cuda and not interpreting())
-
-
-def compile_quick(c: CompiledRegion) -> QuickStart | bool:
-    """The region's dense kernel, or False where it has none."""
-    placeholder = "fl_fwdq"
-    try:
-        source, stats, tma = generate(c.region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
-                                      interpret=interpreting(), sparse=False)
-    except CodegenError:
-        return False
-    name = f"fl_fwdq_{source_hash(source)}"
-    module, _ = load_module(name, source.replace(f"def {placeholder}(", f"def {name}("))
-    return QuickStart(fast_launch(getattr(module, name), interpreting()), stats, tma)
-
-
-def compile_own_for(c: CompiledRegion, args: list, meta: tuple):
-    """Triton's compile of the region's own kernel for this launch (no launch), its launcher
-    built alongside: the background task of a quick start. Under the interpreter, nothing to
-    compile."""
-    OWN_COMPILED.add(c.name)
-    if interpreting():
-        return
-    fn = c.kernel.fn if isinstance(c.kernel, FastLaunch) else c.kernel
-    prebuild_launcher(fn, args, meta[1])
-    fn.warmup(*args, grid=meta[0], **meta[1])
 
 
 def compile_backward(c: CompiledRegion) -> None:

@@ -1,0 +1,85 @@
+"""The quick start of a masked region (``CompiledRegion.quick_start``): its first calls run a
+kernel that compiles faster, while its own kernel compiles in the background.
+
+A region whose mask skips key blocks compiles to a kernel of two loops (a masked head and tail
+around a mask-free middle) after a block scan. The same program generated without block
+sparsity (``codegen.generate(sparse=False)``) has one masked loop and no scan, compiles a third
+faster, and computes the same outputs and row statistics, visiting the dead blocks too. In
+session 11's cold first calls on the H200 (docs/notes.md) every masked case was 0.3-0.9 s slower
+than the unmasked softcap, and every case slower than FlexAttention's first call was masked.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .._compat import FastLaunch, fast_launch, prebuild_launcher
+from ..codegen import CodegenError, generate
+from ..ir import Region
+from ..tune import Config
+from . import background, descriptors
+from .cache import load_module, source_hash
+
+
+@dataclass
+class QuickStart:
+    """A masked region's dense kernel (module doc) and the background compile of its own. Its
+    compile: 0.36-0.48 s against the two-loop kernel's 0.61-0.81 s (causal, ALiBi, sliding
+    window, document mask at D=128, offline on the CPU machine, session 12)."""
+    kernel: object          # the dense kernel (FastLaunch)
+    stats: list             # its block statistics (none: it has no scan)
+    tma: dict               # the inputs its tensor descriptors read
+    future: object = None   # the region's own kernel compiling in the background
+
+    def launch(self, r: Region, cfg: Config, stats: bool, inputs, outs, rowstats, grid) -> None:
+        tma = descriptors.flag(self.tma, inputs)
+        args = op.kernel_args(r, self.stats, inputs, outs, rowstats)
+        meta = op.launch_meta(r, cfg, stats, tma)
+        op.launch_kernel(self.kernel, grid, args, meta, inputs[0].device if tma else None)
+
+
+# kernels (by name) this process compiled: a region sharing one skips the quick start
+OWN_COMPILED: set[str] = set()
+
+
+def quick_wanted(c, inputs: list[torch.Tensor], gluon_ok: bool) -> bool:
+    """Does this region start with the quick kernel? A mask that skips blocks (``c.sparse``: the
+    two-loop kernel), compiles in the background (``FLASHLIGHT_BACKGROUND``), no autotuning, a
+    GPU launch, its own kernel not already compiled by this process. ``FLASHLIGHT_QUICK=0`` turns
+    it off; ``force`` also under the interpreter (the CPU tests)."""
+    mode = os.environ.get("FLASHLIGHT_QUICK", "1")
+    if mode == "0" or not c.sparse or not background.enabled() or c.max_autotune or not gluon_ok \
+            or c.name in OWN_COMPILED:
+        return False
+    return mode == "force" or (inputs[0].is_cuda and not op.interpreting())
+
+
+def compile_quick(c) -> QuickStart | bool:
+    """The region's dense kernel, or False where it has none."""
+    placeholder = "fl_fwdq"
+    try:
+        source, stats, tma = generate(c.region, placeholder, allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+                                      interpret=op.interpreting(), sparse=False)
+    except CodegenError:
+        return False
+    name = f"fl_fwdq_{source_hash(source)}"
+    module, _ = load_module(name, source.replace(f"def {placeholder}(", f"def {name}("))
+    return QuickStart(fast_launch(getattr(module, name), op.interpreting()), stats, tma)
+
+
+def compile_own_for(c, args: list, meta: tuple):
+    """Triton's compile of the region's own kernel for this launch (no launch), its launcher
+    built alongside: the background task of a quick start. Under the interpreter, nothing to
+    compile."""
+    OWN_COMPILED.add(c.name)
+    if op.interpreting():
+        return
+    fn = c.kernel.fn if isinstance(c.kernel, FastLaunch) else c.kernel
+    prebuild_launcher(fn, args, meta[1])
+    fn.warmup(*args, grid=meta[0], **meta[1])
+
+
+# at the end: op imports this module; its helpers are looked up there per call (tests spy on them)
+from . import op  # noqa: E402
