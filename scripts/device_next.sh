@@ -5,11 +5,12 @@
 #     with the Gluon dK/dV and dQ kernels on and off (torch.profiler, per kernel).
 #   B (~9 min): the training suite with both Gluon tile kernels wherever they apply ("all": D=64
 #     and the document mask too, where the forward keeps Triton's kernel) against neither (issue
-#     #5's table: Flex and Inductor in the same run), and the cold first call against the same
-#     without the quick start and the launcher prebuild (issue #6). Then choose the tile
-#     kernels' default rule from the A/B.
-#   C (~5 min): the D=128 half of the flex suite with cold caches, as session 11's run 1 (first
-#     calls against Flex with the quick start; steady state; cuDNN on full attention).
+#     #5's table: Flex and Inductor in the same run), and the cold first call against Flex and
+#     against the same without the quick start (issue #6). Then choose the tile kernels'
+#     default rule from the A/B.
+#   C (~8 min): the launcher prebuild's A/B on cold first calls, then the D=128 half of the flex
+#     suite with cold caches, as session 11's run 1 (first calls against Flex; steady state;
+#     cuDNN on full attention).
 set -o pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
@@ -34,9 +35,11 @@ B)
     --no-plots --time-limit 300 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
   timeout -k 10 180 python3 -m benchmarks.first_call --variants causal,alibi,document_12,full --d 128 \
-    --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_QUICK=0,FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call.txt | tail -20
+    --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_QUICK=0 2>&1 | nogrep | tee $OUT/first_call_quick.txt | tail -20
   ;;
 C)
+  timeout -k 10 150 python3 -m benchmarks.first_call --variants causal,document_12 --d 128 \
+    --systems flashlight,flashlight_b --b-env FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call_prebuild.txt | tail -12
   timeout -k 10 330 python3 -m benchmarks.run --suite flex --dims 128 --backends flashlight,flex,sdpa_cudnn \
     --time-limit 300 --out $OUT/flex128 > $OUT/flex128.txt 2>&1
   echo "flex rc $?"; tail -27 $OUT/flex128.txt | cut -c1-170

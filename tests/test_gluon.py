@@ -1,6 +1,8 @@
-"""The Hopper Gluon forward (codegen/gluon.py, runtime/gluon.py) on a machine without a GPU: which
-regions and layouts get it, and that its generated source compiles for sm_90 with Triton's own
-compiler and ptxas (no driver needed). Its numerics need the GPU: tests/test_gpu.py."""
+"""The Hopper Gluon kernels — the forward (codegen/gluon.py) and the backward's dK/dV and dQ
+kernels (codegen/gluon_backward.py), with runtime/gluon.py — on a machine without a GPU: which
+regions and layouts get them, their background compiles and fallbacks, snapshots of their
+source, and that the generated source compiles for sm_90 with Triton's own compiler and ptxas
+(no driver needed). Their numerics need the GPU: tests/test_gpu.py."""
 import threading
 from types import SimpleNamespace
 
