@@ -30,7 +30,9 @@ operand. Not yet run on a GPU (docs/notes.md, session 12).
 """
 from __future__ import annotations
 
-from ..ir import Region, dot, refs, walk
+from typing import NamedTuple
+
+from ..ir import Expr, Region, dot, refs, walk
 from ..ir.derivative import vjp
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, full_body, useful
@@ -52,6 +54,16 @@ MAXNREG = 168        # as the forward: 240 registers per compute thread, 24 for 
 # a compute warpgroup's score tile: [keys, queries] in the dK/dV kernel, [queries, keys] in dQ's
 GCTX_ST = Ctx("gst", vars={"n": "offs_n[:, None]", "m": "offs_m[None, :]"}, masks={}, key_start="start_n")
 GCTX_S = Ctx("gs", vars={"m": "offs_m[:, None]", "n": "offs_n[None, :]"}, masks={}, key_start="start_n")
+
+
+class Acc(NamedTuple):
+    """A compute warpgroup's gradient accumulator: its register tile, the operand expression
+    whose gradient it holds, the head dim constexpr, its layout and its kind in the plan."""
+    name: str
+    operand: Expr
+    width: str          # "DK" or "DV"
+    layout: str
+    kind: str           # "dk", "dv" or "dq" (``grad_plan``)
 
 
 def tiles_support(region: Region) -> str:
@@ -205,7 +217,7 @@ class GluonTiles:
         # the gradient tensors' rows are contiguous and 16-byte aligned (``runtime.gluon.tiles_usable``
         # checks), which the partition's arguments no longer say: vector stores, not one per element.
         # No bounds masks: whole blocks only
-        for i in sorted({e.args[0] for _, e, _, _, _ in accs}):
+        for i in sorted({a.operand.args[0] for a in accs}):
             nd = len(self.r.inputs[i].shape)
             epi.lines += [f"g{i}_s{nd - 1} = 1", f"g{i}_ptr = tl.multiple_of(g{i}_ptr, 16)"]
             epi.lines += [f"g{i}_s{d} = tl.multiple_of(g{i}_s{d}, 8)" for d in range(nd - 1)]
@@ -265,8 +277,8 @@ class GluonTiles:
     def step(self, full: bool) -> list[str]:
         raise NotImplementedError
 
-    def accs_of(self) -> list[tuple[str, object, str, str, str]]:
-        """(register tile, operand expression, head dim, layout, plan kind) per accumulator."""
+    def accs_of(self) -> list[Acc]:
+        """This kernel's accumulators."""
         raise NotImplementedError
 
 
@@ -353,7 +365,7 @@ class GluonDKDVWriter(GluonTiles, DKDVWriter):
 
     def accs_of(self):
         r = self.r
-        return [("dk0", r.dots[0].k, "DK", "DK_LAYOUT", "dk"), ("dv0", r.reductions[2].v, "DV", "DV_LAYOUT", "dv")]
+        return [Acc("dk0", r.dots[0].k, "DK", "DK_LAYOUT", "dk"), Acc("dv0", r.reductions[2].v, "DV", "DV_LAYOUT", "dv")]
 
 
 class GluonDQWriter(GluonTiles, DQWriter):
@@ -429,7 +441,7 @@ class GluonDQWriter(GluonTiles, DQWriter):
         return loop.lines
 
     def accs_of(self):
-        return [("dq0", self.r.dots[0].q, "DK", "DQ_LAYOUT", "dq")]
+        return [Acc("dq0", self.r.dots[0].q, "DK", "DQ_LAYOUT", "dq")]
 
 
 LOADER = '''@gluon.jit
