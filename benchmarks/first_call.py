@@ -1,7 +1,7 @@
 """Where a first call's time goes: Dynamo, Flashlight's capture and code generation, Triton's
 compile, and the rest, for Flashlight and for FlexAttention on the same program.
 
-    python -m benchmarks.first_call --variants causal,document_12 --d 128 [--b 4 --n 4096]
+    python -m benchmarks.first_call --variants causal,document_12 --d 128 [--b 4 --n 4096] [--step]
 
 Each variant runs in a process of its own with empty Triton, Inductor and Flashlight caches
 (every compile is cold, as ``benchmarks.run`` measures first calls), under cProfile; the table
@@ -41,26 +41,34 @@ def cumulative(stats: pstats.Stats) -> dict[str, float]:
     return out
 
 
-def child(system: str, variant: str, b: int, n: int, d: int, device: str) -> dict:
+def child(system: str, variant: str, b: int, n: int, d: int, device: str, step: bool = False) -> dict:
     """One first call in this (fresh) process: ``system`` (a ``benchmarks.run`` backend) on the
-    flex suite's ``variant`` at (B, N, D), as ``benchmarks.run`` builds it."""
+    flex suite's ``variant`` at (B, N, D), as ``benchmarks.run`` builds it; ``step``: forward and
+    backward (gradients of q, k, v), as the training suite runs it."""
+    import contextlib
+
     import torch
 
-    from .measure import Env, build
+    from .measure import Env, build, with_backward
     from .run import configure_dynamo
     from .suites import Case, cases, make_inputs
     configure_dynamo()
     found = next(c for c in cases("flex") if c.variant == variant)
     case = Case("flex", variant, found.program, b, found.H, n, n, d, extra=found.extra)
     env = Env(device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    xs = make_inputs(case, env.dtype, env.device)
+    xs = list(make_inputs(case, env.dtype, env.device))
+    if step:
+        xs[:3] = leaves = [x.detach().requires_grad_() for x in xs[:3]]
     call = build(system, case, xs, env, {})        # the block mask is built here for Flex, as there
+    if step:
+        dout = torch.randn(xs[0].shape[:-1] + (xs[2].shape[-1],), dtype=env.dtype, device=device)
+        call = with_backward(call, leaves, dout)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    with torch.no_grad():
+    with contextlib.nullcontext() if step else torch.no_grad():
         call()
     sync()
     prof.disable()
@@ -77,10 +85,11 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--device", default="cuda", help="cpu: a plumbing check (the interpreter; no Flex)")
+    p.add_argument("--step", action="store_true", help="forward and backward (the training suite's first call)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.b, args.n, args.d, args.device)))
+        print(json.dumps(child(*args.child, args.b, args.n, args.d, args.device, args.step)))
         return
     print(f"{'variant':14s} {'system':12s} {'wall':>6s} " + " ".join(f"{k:>9s}" for k in PHASES))
     for variant in args.variants.split(","):
@@ -93,7 +102,7 @@ def main() -> None:
                 res = subprocess.run([sys.executable, "-m", "benchmarks.first_call", "--child",
                                       "flashlight" if system == "flashlight_b" else system, variant,
                                       "--b", str(args.b), "--n", str(args.n), "--d", str(args.d),
-                                      "--device", args.device],
+                                      "--device", args.device, *(["--step"] if args.step else [])],
                                      capture_output=True, text=True, env=env)
             if res.returncode:
                 print(f"{variant:14s} {system:12s} failed: {res.stderr.strip().splitlines()[-1:]}")

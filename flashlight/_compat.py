@@ -213,6 +213,16 @@ def _scratch_allocator(device):
 _SCRATCH: dict = {}
 
 
+def warm(kernel, grid, args, meta) -> None:
+    """Compile ``kernel`` (a ``FastLaunch`` or a ``@triton.jit`` function) for the launch
+    ``kernel[grid](*args, **meta)`` without launching it, its launcher prebuilt beside the
+    compile: the work of a background compile thread (``runtime.background``). The launch
+    itself then finds both in Triton's caches."""
+    fn = kernel.fn if isinstance(kernel, FastLaunch) else kernel
+    prebuild_launcher(fn, args, meta)
+    fn.warmup(*args, grid=grid, **meta)
+
+
 def fast_launch(fn, interpret: bool):
     """``FastLaunch(fn)`` for a compiled kernel; ``fn`` itself under Triton's interpreter
     (``interpret``) or with ``FLASHLIGHT_FAST_LAUNCH=0``."""

@@ -8,9 +8,11 @@
 #     #5's table: Flex and Inductor in the same run), and the cold first call against Flex and
 #     against the same without the quick start (issue #6). Then choose the tile kernels'
 #     default rule from the A/B.
-#   C (~8 min): the launcher prebuild's A/B on cold first calls, then the D=128 half of the flex
-#     suite with cold caches, as session 11's run 1 (first calls against Flex; steady state;
-#     cuDNN on full attention).
+#   C (~6 min): the D=128 half of the flex suite with cold caches, as session 11's run 1 (first
+#     calls against Flex; steady state; cuDNN on full attention).
+#   D (~5 min, if the budget allows): the launcher prebuild's A/B on cold first calls, and the
+#     training step's cold first call against Flex and against FLASHLIGHT_PREFETCH=0 (the
+#     backward's compiles started at the first forward).
 set -o pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
@@ -21,7 +23,7 @@ A)
     timeout -k 10 110 python3 -m benchmarks.gluon_smoke --kernels $k 2>&1 | nogrep | tee $OUT/smoke_$k.txt | cut -c1-200
     echo "smoke $k rc ${PIPESTATUS[0]}"
   done
-  timeout -k 10 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "gluon or quick" > $OUT/test_gpu.txt 2>&1
+  timeout -k 10 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "gluon or quick or first_forward" > $OUT/test_gpu.txt 2>&1
   tail -4 $OUT/test_gpu.txt | cut -c1-300
   for on in all 0; do     # "all": also where the forward keeps Triton's kernel (the document mask)
     FLASHLIGHT_GLUON_DKDV=$on FLASHLIGHT_GLUON_DQ=$on timeout -k 10 90 python3 -m benchmarks.kernels \
@@ -38,10 +40,14 @@ B)
     --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_QUICK=0 2>&1 | nogrep | tee $OUT/first_call_quick.txt | tail -20
   ;;
 C)
-  timeout -k 10 150 python3 -m benchmarks.first_call --variants causal,document_12 --d 128 \
-    --systems flashlight,flashlight_b --b-env FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call_prebuild.txt | tail -12
   timeout -k 10 330 python3 -m benchmarks.run --suite flex --dims 128 --backends flashlight,flex,sdpa_cudnn \
     --time-limit 300 --out $OUT/flex128 > $OUT/flex128.txt 2>&1
   echo "flex rc $?"; tail -27 $OUT/flex128.txt | cut -c1-170
+  ;;
+D)
+  timeout -k 10 150 python3 -m benchmarks.first_call --variants causal,document_12 --d 128 \
+    --systems flashlight,flashlight_b --b-env FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call_prebuild.txt | tail -6
+  timeout -k 10 200 python3 -m benchmarks.first_call --step --variants causal,document_12 --d 128 \
+    --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_PREFETCH=0 2>&1 | nogrep | tee $OUT/first_call_step.txt | tail -8
   ;;
 esac

@@ -268,3 +268,24 @@ def test_quick_start_then_the_regions_own_kernel(name, D, monkeypatch):
         out = fn(*inputs)
     assert c.quick is False and c.name in op.OWN_COMPILED
     assert rel_error(out, ref) < FWD_TOL
+
+
+def test_the_backward_compiles_from_the_first_forward(monkeypatch):
+    """The first differentiable forward starts the three backward kernels' compiles on background
+    threads (``CompiledRegion.prefetch_backward``); they succeed, and the backward's gradients
+    match float64."""
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "0")
+    REGISTRY.clear()
+    inputs = _inputs("causal", B=2, H=4, M=384, D=64, dtype=torch.bfloat16)
+    leaves = [x.requires_grad_() for x in inputs]
+    fn = torch.compile(VARIANTS["causal"].attention, backend="flashlight", dynamic=False)
+    out = fn(*inputs)
+    (c,) = REGISTRY.values()
+    futures = list(c.bwd_prefetch)
+    assert len(futures) == 3 and all(f.exception() is None for f in futures)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_in = [to64(x).detach().requires_grad_() for x in inputs]
+    refs = torch.autograd.grad(VARIANTS["causal"].attention(*ref_in), ref_in, to64(dout))
+    for g, r in zip(grads, refs):
+        assert rel_error(g, r) < GRAD_TOL

@@ -577,3 +577,59 @@ def test_no_quick_start_without_a_mask_or_background(monkeypatch):
             torch.compile(mod.attention, backend="flashlight")(*mod.make_inputs(B=1, H=1, M=20, D=16))
         (c,) = op.REGISTRY.values()
         assert c.quick is False, (mod.__name__, env)
+
+
+# -- the backward's compiles from the first forward (CompiledRegion.prefetch_backward) ---------------
+def launch_key(grid, args, meta) -> tuple:
+    """What Triton specialises a launch on, and more: the grid, every argument (a tensor by dtype,
+    shape and strides) and the constexprs."""
+    return (tuple(grid), tuple((a.dtype, tuple(a.shape), a.stride()) if isinstance(a, torch.Tensor) else a
+                               for a in args), sorted(meta.items()))
+
+
+class Spy:
+    """A kernel wrapper recording each launch's ``launch_key``."""
+
+    def __init__(self, fn, seen):
+        self.fn, self.seen = fn, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.seen.append((self.fn, launch_key(grid, args, meta)))
+            return self.fn[grid](*args, **meta)
+        return launch
+
+
+def test_the_backward_compiles_from_the_first_forward(monkeypatch):
+    """``FLASHLIGHT_PREFETCH=force`` (the GPU default, forced under the interpreter): the first
+    differentiable forward generates the backward and submits its three kernels' compiles, each
+    for exactly the launch the first backward then makes (grid, constexprs, arguments' dtypes,
+    shapes, strides and values: the same specialisation); the backward waits for them, and its
+    gradients match float64. Inference (no input requires grad) starts none."""
+    from flashlight import _compat
+    from flashlight.runtime import op
+    monkeypatch.setenv("FLASHLIGHT_PREFETCH", "force")
+    op.REGISTRY.clear()
+    warmed = []
+    monkeypatch.setattr(_compat, "warm", lambda fn, grid, args, meta: warmed.append((fn, launch_key(grid, args, meta))))
+    inputs = document_mask.make_inputs(B=1, H=2, M=70, D=16)
+    with torch.no_grad():
+        torch.compile(document_mask.attention, backend="flashlight")(*inputs)
+    assert not warmed
+    torch.compiler.reset()
+    op.REGISTRY.clear()
+    inputs = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
+    fn = torch.compile(document_mask.attention, backend="flashlight")
+    out = fn(*inputs)
+    flashlight.wait()
+    (c,) = op.REGISTRY.values()
+    k = c.bwd_kernel
+    assert c.bwd_compiled and [w[0] for w in warmed] == [k.rows, k.dkdv, k.dq]
+    launched = []
+    k.rows, k.dkdv, k.dq = (Spy(f, launched) for f in (k.rows, k.dkdv, k.dq))
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    got = torch.autograd.grad(out, [x for x in inputs if x.is_floating_point()], dout)
+    assert launched == warmed
+    _, want = grads64(document_mask, inputs, dout)
+    for g, w in zip(got, want):
+        assert rel_error(g, w) < 1e-3

@@ -44,7 +44,7 @@ def submit(fn, device: torch.device, *args) -> Future:
             return fn(*args)
     with _LOCK:
         if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="flashlight-compile")
+            _POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="flashlight-compile")
         future = _POOL.submit(task)
         _PENDING.append(future)
     return future

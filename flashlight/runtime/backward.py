@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _compat
 from ..codegen.backward import KernelStats
 from ..codegen.emit import CodegenError
 from ..codegen.gluon import gluon_pays
@@ -50,20 +51,22 @@ class BackwardKernels:
         r = self.region
         return math.prod(r.batch), r.M, self.stats.dot_grads.width
 
-    def buffers(self, inputs: list[torch.Tensor], kernel: str | None = None) -> dict[int, torch.Tensor]:
+    def buffers(self, inputs: list[torch.Tensor], kernel: str | None = None,
+                device: str | None = None) -> dict[int, torch.Tensor]:
         """What the kernels (``kernel`` alone: ``"dkdv"`` or ``"dq"``; default all) write each
         gradient into: ``empty_like(x)`` where one program owns each address (a store in x's
         dtype, ``plan.stored``), fp32 zeros for atomic adds (``zeros_like(x)`` itself when x is
-        fp32: no copy afterwards)."""
+        fp32: no copy afterwards). ``device="meta"``: the same layouts without memory (what a
+        compile specialises on)."""
         bufs = {}
         for i in self.writes[kernel]:
             x = inputs[i]
             if i in self.plan.stored:
-                bufs[i] = unwritten(torch.empty_like(x))
+                bufs[i] = unwritten(torch.empty_like(x, device=device))
             elif x.dtype == torch.float32:
-                bufs[i] = torch.zeros_like(x)
+                bufs[i] = torch.zeros_like(x, device=device)
             else:
-                bufs[i] = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+                bufs[i] = torch.zeros(x.shape, dtype=torch.float32, device=device or x.device)
         return bufs
 
     @staticmethod
@@ -118,13 +121,42 @@ class BackwardKernels:
         products into their own [batch, M, width] tensor (``codegen.backward.DotGrads``).
         ``out``: the forward's output, from which a plain softmax's product is recomputed
         (``ir.region.from_output``)."""
-        r = self.region
-        drow = unwritten(torch.empty_like(rowstats))
-        ddot = unwritten(torch.empty(self.ddot_shape, dtype=self.stats.dot_grads.dtype, device=rowstats.device))
-        args = self.common(inputs, bufs, "rows", rowstats, drow, ddot, out=out, dout=grad) + [*r.batch, r.M]
+        drow, ddot = self.row_outputs(rowstats)
         grid, meta = self.meta("rows", cfg)
-        self.rows[grid](*args, **meta)
+        self.rows[grid](*self.rows_args(inputs, rowstats, out, grad, bufs, drow, ddot), **meta)
         return drow, ddot
+
+    def row_outputs(self, rowstats: torch.Tensor, device: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row kernel's outputs: the sums' row gradients (laid out like the row statistics)
+        and the products' ([batch, M, width]); ``device="meta"``: their layouts alone."""
+        drow = unwritten(torch.empty_like(rowstats, device=device))
+        ddot = unwritten(torch.empty(self.ddot_shape, dtype=self.stats.dot_grads.dtype, device=device or rowstats.device))
+        return drow, ddot
+
+    def rows_args(self, inputs, rowstats, out, grad, bufs, drow, ddot) -> list:
+        return self.common(inputs, bufs, "rows", rowstats, drow, ddot, out=out, dout=grad) + [*self.region.batch,
+                                                                                          self.region.M]
+
+    def prefetch(self, inputs, rowstats, out, block_stats: dict, configs: dict) -> list:
+        """The three kernels' compiles for a backward of these inputs, each on a compile thread
+        (``runtime.background``), started at the region's first differentiable forward: the
+        first backward then waits for what is left of them instead of compiling the three one
+        after the other. Each is compiled for the arguments its launch will have — the output
+        stands in for its gradient (same shape and dtype; a gradient laid out otherwise only
+        compiles again), meta tensors of the same layouts for the gradients and row gradients (a
+        compile reads a tensor's dtype and address alignment: a meta tensor's address is 0, as
+        Triton's own warmup stand-ins', and the backward's fresh buffers are aligned; no memory
+        is taken). ``configs``: each kernel's launch config (``rows``, ``dkdv``, ``dq``).
+        Returns the futures."""
+        bufs = self.buffers(inputs, device="meta")
+        drow, ddot = self.row_outputs(rowstats, device="meta")
+        jobs = [(self.rows, *self.meta("rows", configs["rows"]),
+                 self.rows_args(inputs, rowstats, out, out, bufs, drow, ddot))]
+        for kernel in ("dkdv", "dq"):
+            fn, reqs = (self.dkdv, self.stats.tma_dkdv) if kernel == "dkdv" else (self.dq, self.stats.tma_dq)
+            grid, meta = self.meta(kernel, configs[kernel], descriptors.flag(reqs, inputs))
+            jobs.append((fn, grid, meta, self.tile_args(kernel, inputs, rowstats, (drow, ddot), bufs, block_stats)))
+        return [background.submit(_compat.warm, inputs[0].device, fn, grid, args, meta) for fn, grid, meta, args in jobs]
 
     def launch_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
         self.launch_tile("dkdv", inputs, rowstats, drows, bufs, block_stats, cfg)

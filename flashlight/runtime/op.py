@@ -71,6 +71,7 @@ class CompiledRegion:
     metas: dict = field(default_factory=dict)       # (config, stats, TMA) -> (grid, launch_meta)
     gfwd: background.Tier = field(default_factory=background.Tier)   # the Gluon forward (runtime.gluon)
     quick: QuickStart | bool | None = None      # the first calls' kernel (None: not decided; False: none)
+    bwd_prefetch: list | None = None  # the backward kernels' background compiles (None: not started)
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
 
     @property
@@ -309,10 +310,13 @@ class CompiledRegion:
         key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
         bool inputs may get None. ``out``: the forward's output (None from a graph compiled
         before the op took it). ``block_stats``: the forward's sparsity statistics, if kept."""
+        for future in self.bwd_prefetch or ():     # compiles started at the first forward
+            future.exception()
+        self.bwd_prefetch = []
         k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
             return self.reference_backward(inputs, grad)
-        rows = self.gpu_rows_config if inputs[0].is_cuda and not interpreting() else INTERPRETER
+        rows = self.rows_config(inputs)
         bufs = k.buffers(inputs)
         block_stats = {} if block_stats is None else block_stats    # shared by the two tile kernels
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
@@ -323,6 +327,30 @@ class CompiledRegion:
             k.run_tile(kernel, inputs, rowstats, drows, bufs, block_stats, triton)   # on Hopper, Gluon where it applies
         self.bwd_launches += 1
         return k.results(inputs, bufs)
+
+    def prefetch_backward(self, inputs: list[torch.Tensor], out: torch.Tensor, rowstats: torch.Tensor,
+                          block_stats: dict) -> None:
+        """At the first forward that may be differentiated: generate the backward and start its
+        three kernels' compiles on background threads (``BackwardKernels.prefetch``), in
+        parallel and while the program goes on to its loss; the first backward waits for them.
+        On a GPU with background compiles, no autotuning (which times configs at the backward)
+        and ``FLASHLIGHT_PREFETCH`` not ``0``; ``force`` also under the interpreter (CPU tests:
+        the launches are built, the compiles are Triton's interpreter's no-ops)."""
+        if self.bwd_prefetch is not None:
+            return
+        self.bwd_prefetch = []
+        mode = os.environ.get("FLASHLIGHT_PREFETCH", "1")
+        if mode == "0" or not background.enabled() or self.max_autotune or self.bwd_launches or \
+                not (mode == "force" or (inputs[0].is_cuda and not interpreting())):
+            return
+        k = self.backward_kernels()
+        if k is None or not self.uses_kernel(inputs):
+            return
+        configs = {"rows": self.rows_config(inputs), "dkdv": self.config(inputs, "dkdv"), "dq": self.config(inputs, "dq")}
+        self.bwd_prefetch = k.prefetch(inputs, rowstats, out, block_stats, configs)
+
+    def rows_config(self, inputs: list[torch.Tensor]) -> Config:
+        return self.gpu_rows_config if inputs[0].is_cuda and not interpreting() else INTERPRETER
 
     @functools.cached_property
     def gpu_rows_config(self) -> Config:
@@ -591,7 +619,10 @@ class RegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, key: str, *tensors: torch.Tensor):
         ctx.block_stats = {}        # the sparsity statistics, reused by the backward
-        out, rowstats = REGISTRY[key].run(list(tensors), ctx.block_stats)
+        c = REGISTRY[key]
+        out, rowstats = c.run(list(tensors), ctx.block_stats)
+        if c.bwd_prefetch is None and any(ctx.needs_input_grad[1:]):
+            c.prefetch_backward(list(tensors), out, rowstats, ctx.block_stats)
         ctx.key = key
         ctx.mark_non_differentiable(rowstats)
         ctx.set_materialize_grads(False)       # no zero fill for the row statistics' (absent) gradient

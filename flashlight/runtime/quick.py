@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._compat import FastLaunch, fast_launch, prebuild_launcher
+from .. import _compat
+from .._compat import fast_launch
 from ..codegen import CodegenError, generate
 from ..ir import Region
 from ..tune import Config
@@ -76,9 +77,7 @@ def compile_own_for(c, args: list, meta: tuple):
     OWN_COMPILED.add(c.name)
     if op.interpreting():
         return
-    fn = c.kernel.fn if isinstance(c.kernel, FastLaunch) else c.kernel
-    prebuild_launcher(fn, args, meta[1])
-    fn.warmup(*args, grid=meta[0], **meta[1])
+    _compat.warm(c.kernel, meta[0], args, meta[1])
 
 
 # at the end: op imports this module; its helpers are looked up there per call (tests spy on them)
