@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashlight
+from flashlight._compat import FastLaunch
 from flashlight.codegen.gluon_backward import tiles_support
 from flashlight.examples import VARIANTS
 from flashlight.runtime.op import REGISTRY
@@ -281,10 +282,18 @@ def test_the_backward_compiles_from_the_first_forward(monkeypatch):
     fn = torch.compile(VARIANTS["causal"].attention, backend="flashlight", dynamic=False)
     out = fn(*inputs)
     (c,) = REGISTRY.values()
-    futures = list(c.bwd_prefetch)
+    futures = list(c.bwd_prefetch.values())
     assert len(futures) == 3 and all(f.exception() is None for f in futures)
+    k = c.bwd_kernel
+
+    def compiled(name):     # kernels in Triton's in-memory cache of that JIT function, this device
+        fn = getattr(k, name)
+        fn = fn.fn if isinstance(fn, FastLaunch) else fn
+        return len(fn.device_caches[torch.cuda.current_device()][0])
+    before = {name: compiled(name) for name in ("rows", "dkdv", "dq")}
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, dout)
+    assert {name: compiled(name) for name in before} == before, "a launch compiled again"
     ref_in = [to64(x).detach().requires_grad_() for x in inputs]
     refs = torch.autograd.grad(VARIANTS["causal"].attention(*ref_in), ref_in, to64(dout))
     for g, r in zip(grads, refs):

@@ -633,3 +633,31 @@ def test_the_backward_compiles_from_the_first_forward(monkeypatch):
     _, want = grads64(document_mask, inputs, dout)
     for g, w in zip(got, want):
         assert rel_error(g, w) < 1e-3
+
+
+def test_a_backward_that_fails_to_generate_fails_the_backward_not_the_forward(monkeypatch):
+    """The prefetch generates the backward at the first forward; an unexpected error there (not
+    a CodegenError, which picks the reference VJP) is the backward's to raise: the forward runs
+    (an evaluation without no_grad never calls backward), the backward generates it again and
+    raises. Under ``FLASHLIGHT_STRICT=1`` (the tests' setting) the forward raises it."""
+    from flashlight.runtime import op
+    monkeypatch.setenv("FLASHLIGHT_PREFETCH", "force")
+
+    def broken(region, name, **kw):
+        raise RuntimeError("backward generator broke")
+    monkeypatch.setattr(op, "generate_backward", broken)
+    inputs = [x.requires_grad_() for x in causal.make_inputs(B=1, H=1, M=20, D=16)]
+    for strict in ("1", "0"):
+        monkeypatch.setenv("FLASHLIGHT_STRICT", strict)
+        op.REGISTRY.clear()
+        torch.compiler.reset()
+        fn = torch.compile(causal.attention, backend="flashlight")
+        if strict == "1":
+            with pytest.raises(RuntimeError, match="generator broke"):
+                fn(*inputs)
+            continue
+        out = fn(*inputs)
+        (c,) = op.REGISTRY.values()
+        assert not c.bwd_compiled and c.bwd_kernel is None
+        with pytest.raises(RuntimeError, match="generator broke"):
+            out.sum().backward()

@@ -146,17 +146,20 @@ class BackwardKernels:
         compiles again), meta tensors of the same layouts for the gradients and row gradients (a
         compile reads a tensor's dtype and address alignment: a meta tensor's address is 0, as
         Triton's own warmup stand-ins', and the backward's fresh buffers are aligned; no memory
-        is taken). ``configs``: each kernel's launch config (``rows``, ``dkdv``, ``dq``).
-        Returns the futures."""
+        is taken). A gradient whose layout differs from the output's (``out.sum()``'s expanded
+        one) makes the row kernel compile again at the backward: time, not results.
+        ``configs``: each kernel's launch config (``rows``, ``dkdv``, ``dq``). Returns the
+        futures by kernel."""
         bufs = self.buffers(inputs, device="meta")
         drow, ddot = self.row_outputs(rowstats, device="meta")
-        jobs = [(self.rows, *self.meta("rows", configs["rows"]),
-                 self.rows_args(inputs, rowstats, out, out, bufs, drow, ddot))]
+        jobs = {"rows": (self.rows, *self.meta("rows", configs["rows"]),
+                         self.rows_args(inputs, rowstats, out, out, bufs, drow, ddot))}
         for kernel in ("dkdv", "dq"):
             fn, reqs = (self.dkdv, self.stats.tma_dkdv) if kernel == "dkdv" else (self.dq, self.stats.tma_dq)
             grid, meta = self.meta(kernel, configs[kernel], descriptors.flag(reqs, inputs))
-            jobs.append((fn, grid, meta, self.tile_args(kernel, inputs, rowstats, (drow, ddot), bufs, block_stats)))
-        return [background.submit(_compat.warm, inputs[0].device, fn, grid, args, meta) for fn, grid, meta, args in jobs]
+            jobs[kernel] = (fn, grid, meta, self.tile_args(kernel, inputs, rowstats, (drow, ddot), bufs, block_stats))
+        return {kernel: background.submit(_compat.warm, inputs[0].device, fn, grid, args, meta)
+                for kernel, (fn, grid, meta, args) in jobs.items()}
 
     def launch_dkdv(self, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
         self.launch_tile("dkdv", inputs, rowstats, drows, bufs, block_stats, cfg)

@@ -62,7 +62,7 @@ class CompiledRegion:
     max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
     sparse: bool = False             # the mask may skip key blocks (picks the default config)
     bwd_kernel: BackwardKernels | None = None    # generated backward, or None: the reference VJP (bwd_reason says why)
-    bwd_compiled: bool = False       # compile_backward ran (at the first backward or explain(): not on inference paths)
+    bwd_compiled: bool = False       # compile_backward ran (first differentiable forward or backward, or explain())
     bwd_name: str = ""
     bwd_source: str = ""             # all three backward kernels (row gradients, dK/dV, dQ)
     bwd_reason: str = ""
@@ -71,7 +71,7 @@ class CompiledRegion:
     metas: dict = field(default_factory=dict)       # (config, stats, TMA) -> (grid, launch_meta)
     gfwd: background.Tier = field(default_factory=background.Tier)   # the Gluon forward (runtime.gluon)
     quick: QuickStart | bool | None = None      # the first calls' kernel (None: not decided; False: none)
-    bwd_prefetch: list | None = None  # the backward kernels' background compiles (None: not started)
+    bwd_prefetch: dict | None = None  # kernel -> its background compile (None: not started)
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
 
     @property
@@ -226,13 +226,20 @@ class CompiledRegion:
     def quick_start(self, inputs: list[torch.Tensor], gluon_ok: bool) -> QuickStart | None:
         """The kernel of this launch if it is the quick one (``QuickStart``), else None: decided
         at the region's first launch, and None for good once its own kernel has compiled."""
+        if not gluon_ok:        # the autotuner times the region's own kernel's configs
+            return None
         q = self.quick
         if q is None:
             q = self.quick = quick_wanted(self, inputs, gluon_ok) and compile_quick(self)
         if not q:
             return None
-        if q.future is not None and q.future.done():
-            self.quick = False      # its own kernel is compiled (a failed compile raises at its launch)
+        capturing = inputs[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or (q.future is not None and q.future.done()):
+            # its own kernel is compiled (a failed compile raises at its launch); a CUDA graph
+            # being captured waits for it: a replay would keep the dense kernel for good
+            if q.future is not None:
+                q.future.exception()
+            self.quick = False
             return None
         return q
 
@@ -310,17 +317,17 @@ class CompiledRegion:
         key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
         bool inputs may get None. ``out``: the forward's output (None from a graph compiled
         before the op took it). ``block_stats``: the forward's sparsity statistics, if kept."""
-        for future in self.bwd_prefetch or ():     # compiles started at the first forward
-            future.exception()
-        self.bwd_prefetch = []
         k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
             return self.reference_backward(inputs, grad)
         rows = self.rows_config(inputs)
         bufs = k.buffers(inputs)
         block_stats = {} if block_stats is None else block_stats    # shared by the two tile kernels
+        self.prefetched("rows")
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
+            self.prefetched(kernel)
+
             def triton(kernel=kernel, launch=launch):
                 self.fitting(inputs, lambda cfg: launch(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
                              tune=lambda cfg: tuned_run(k, kernel, launch, inputs, rowstats, drows, block_stats, cfg))
@@ -338,16 +345,30 @@ class CompiledRegion:
         the launches are built, the compiles are Triton's interpreter's no-ops)."""
         if self.bwd_prefetch is not None:
             return
-        self.bwd_prefetch = []
+        self.bwd_prefetch = {}
         mode = os.environ.get("FLASHLIGHT_PREFETCH", "1")
         if mode == "0" or not background.enabled() or self.max_autotune or self.bwd_launches or \
                 not (mode == "force" or (inputs[0].is_cuda and not interpreting())):
             return
-        k = self.backward_kernels()
-        if k is None or not self.uses_kernel(inputs):
-            return
-        configs = {"rows": self.rows_config(inputs), "dkdv": self.config(inputs, "dkdv"), "dq": self.config(inputs, "dq")}
-        self.bwd_prefetch = k.prefetch(inputs, rowstats, out, block_stats, configs)
+        try:
+            k = self.backward_kernels()
+            if k is None or not self.uses_kernel(inputs):
+                return
+            configs = {"rows": self.rows_config(inputs), "dkdv": self.config(inputs, "dkdv"),
+                       "dq": self.config(inputs, "dq")}
+            self.bwd_prefetch = k.prefetch(inputs, rowstats, out, block_stats, configs)
+        except Exception:  # noqa: BLE001 — a forward never fails for its backward: that reports it
+            if os.environ.get("FLASHLIGHT_STRICT") == "1":
+                raise
+            self.bwd_compiled, self.bwd_kernel = False, None
+
+    def prefetched(self, kernel: str) -> None:
+        """Wait for ``kernel``'s compile started at the first forward, if any (its error, if
+        any, is the launch's to raise: the launch compiles it again)."""
+        if self.bwd_prefetch:
+            future = self.bwd_prefetch.pop(kernel, None)
+            if future is not None:
+                future.exception()
 
     def rows_config(self, inputs: list[torch.Tensor]) -> Config:
         return self.gpu_rows_config if inputs[0].is_cuda and not interpreting() else INTERPRETER
