@@ -155,8 +155,7 @@ class BackwardKernels:
         jobs = {"rows": (self.rows, *self.meta("rows", configs["rows"]),
                          self.rows_args(inputs, rowstats, out, out, bufs, drow, ddot))}
         for kernel in ("dkdv", "dq"):
-            fn, reqs = (self.dkdv, self.stats.tma_dkdv) if kernel == "dkdv" else (self.dq, self.stats.tma_dq)
-            grid, meta = self.meta(kernel, configs[kernel], descriptors.flag(reqs, inputs))
+            fn, grid, meta, _ = self.tile_launch(kernel, inputs, configs[kernel])
             jobs[kernel] = (fn, grid, meta, self.tile_args(kernel, inputs, rowstats, (drow, ddot), bufs, block_stats))
         return {kernel: background.submit(_compat.warm, inputs[0].device, fn, grid, args, meta)
                 for kernel, (fn, grid, meta, args) in jobs.items()}
@@ -174,12 +173,16 @@ class BackwardKernels:
         return args + op.block_stat_args(self.stats.dkdv if kernel == "dkdv" else self.stats.dq, inputs,
                                          block_stats) + [*r.batch, r.M, r.N]
 
+    def tile_launch(self, kernel: str, inputs, cfg: Config) -> tuple:
+        """A tile kernel's function, grid, constexprs and TMA flag for these inputs under ``cfg``."""
+        fn, reqs = (self.dkdv, self.stats.tma_dkdv) if kernel == "dkdv" else (self.dq, self.stats.tma_dq)
+        tma = descriptors.flag(reqs, inputs)
+        return (fn, *self.meta(kernel, cfg, tma), tma)
+
     def launch_tile(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
         """One tile kernel: ``"dkdv"`` over key blocks, or ``"dq"`` over query blocks."""
-        fn, reqs = (self.dkdv, self.stats.tma_dkdv) if kernel == "dkdv" else (self.dq, self.stats.tma_dq)
         args = self.tile_args(kernel, inputs, rowstats, drows, bufs, block_stats)
-        tma = descriptors.flag(reqs, inputs)
-        grid, meta = self.meta(kernel, cfg, tma)
+        fn, grid, meta, tma = self.tile_launch(kernel, inputs, cfg)
         op.launch_kernel(fn, grid, args, meta, inputs[0].device if tma else None)
 
     def run_tile(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict, triton_launch) -> None:

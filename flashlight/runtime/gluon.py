@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .._compat import warm
 from ..codegen import gluon_backward as gb
 from ..codegen.gluon import BLOCK_M, BLOCK_N, DTYPES, MAXNREG, STAGES
 from ..ir import Region
@@ -111,9 +112,9 @@ def launch(kernel, region: Region, args: list, inputs: list[torch.Tensor], stats
 
 
 def compile_for(kernel, region: Region, args: list, inputs: list[torch.Tensor], stats: bool) -> None:
-    """Compile the kernel for this launch's specialisation without launching it (Triton's
-    ``warmup``; ``runtime.background`` runs it on a compile thread)."""
-    kernel.warmup(*args, grid=grid(region), **launch_meta(region, inputs, stats))
+    """Compile the kernel for this launch's specialisation without launching it
+    (``_compat.warm``; ``runtime.background`` runs it on a compile thread)."""
+    warm(kernel, grid(region), args, launch_meta(region, inputs, stats))
 
 
 # -- the backward's tile kernels (codegen/gluon_backward.py): "dkdv" and "dq" -------------------
@@ -167,4 +168,4 @@ def launch_tile(kernel: str, fn, region: Region, args: list, inputs: list[torch.
 
 def compile_tile_for(kernel: str, fn, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
     """``compile_for`` of a tile kernel."""
-    fn.warmup(*args, grid=tile_grid(kernel, region), **tile_meta(kernel, region, inputs, ddot))
+    warm(fn, tile_grid(kernel, region), args, tile_meta(kernel, region, inputs, ddot))
