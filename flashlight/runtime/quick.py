@@ -5,8 +5,9 @@ A region whose mask skips key blocks compiles to a kernel of two loops (a masked
 around a mask-free middle) after a block scan. The same program generated without block
 sparsity (``codegen.generate(sparse=False)``) has one masked loop and no scan, compiles a third
 faster, and computes the same outputs and row statistics, visiting the dead blocks too. In
-session 11's cold first calls on the H200 (docs/notes.md) every masked case was 0.3-0.9 s slower
-than the unmasked softcap, and every case slower than FlexAttention's first call was masked.
+session 11's cold first calls on the H200 (docs/notes.md) every case slower than FlexAttention's
+first call was masked, and masked cases took 1.5-2.5 s against the unmasked softcap's 1.0-1.3 s
+(but for the sliding window at 4x4096: 1.04 s).
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from .cache import load_module, source_hash
 @dataclass
 class QuickStart:
     """A masked region's dense kernel (module doc) and the background compile of its own. Its
-    compile: 0.36-0.48 s against the two-loop kernel's 0.61-0.81 s (causal, ALiBi, sliding
-    window, document mask at D=128, offline on the CPU machine, session 12)."""
+    compile: 0.36-0.48 s in 7 of 8 offline measurements (one 0.74 s) against the two-loop
+    kernel's 0.61-0.81 s (causal, ALiBi, sliding window, document mask at D=128, N = 4096 and
+    1024, on the CPU machine, session 12)."""
     kernel: object          # the dense kernel (FastLaunch)
     stats: list             # its block statistics (none: it has no scan)
     tma: dict               # the inputs its tensor descriptors read
