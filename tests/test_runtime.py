@@ -600,12 +600,16 @@ class Spy:
         return launch
 
 
-def test_the_backward_compiles_from_the_first_forward(monkeypatch):
+@pytest.mark.parametrize("path", ["as is", "inductor"])
+def test_the_backward_compiles_from_the_first_forward(monkeypatch, path):
     """``FLASHLIGHT_PREFETCH=force`` (the GPU default, forced under the interpreter): the first
     differentiable forward generates the backward and submits its three kernels' compiles, each
     for exactly the launch the first backward then makes (grid, constexprs, arguments' dtypes,
     shapes, strides and values: the same specialisation); the backward waits for them, and its
-    gradients match float64. Inference (no input requires grad) starts none."""
+    gradients match float64. Inference (no input requires grad) starts none. Both for a graph
+    that runs as is (``RegionFunction``) and for one with other compute, which Inductor compiles
+    around the custom op (a model's layer: the gradient reaches the region through Inductor's
+    backward graph)."""
     from flashlight import _compat
     from flashlight.runtime import op
     monkeypatch.setenv("FLASHLIGHT_PREFETCH", "force")
@@ -613,13 +617,19 @@ def test_the_backward_compiles_from_the_first_forward(monkeypatch):
     warmed = []
     monkeypatch.setattr(_compat, "warm", lambda fn, grid, args, meta: warmed.append((fn, launch_key(grid, args, meta))))
     inputs = document_mask.make_inputs(B=1, H=2, M=70, D=16)
+    w = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)) / 4
+    program = {"as is": document_mask.attention,                  # a projection: Inductor compiles the graph
+               "inductor": lambda q, k, v, ids: document_mask.attention(q @ w.to(q.dtype), k, v, ids)}[path]
     with torch.no_grad():
-        torch.compile(document_mask.attention, backend="flashlight")(*inputs)
+        torch.compile(program, backend="flashlight")(*inputs)
     assert not warmed
     torch.compiler.reset()
     op.REGISTRY.clear()
     inputs = [x.requires_grad_() if x.is_floating_point() else x for x in inputs]
-    fn = torch.compile(document_mask.attention, backend="flashlight")
+    inductor = []
+    real = _compat.compile_fx
+    monkeypatch.setattr(_compat, "compile_fx", lambda *a: inductor.append(1) or real(*a))
+    fn = torch.compile(program, backend="flashlight")
     out = fn(*inputs)
     flashlight.wait()
     (c,) = op.REGISTRY.values()
@@ -629,8 +639,8 @@ def test_the_backward_compiles_from_the_first_forward(monkeypatch):
     k.rows, k.dkdv, k.dq = (Spy(f, launched) for f in (k.rows, k.dkdv, k.dq))
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
     got = torch.autograd.grad(out, [x for x in inputs if x.is_floating_point()], dout)
-    assert launched == warmed
-    _, want = grads64(document_mask, inputs, dout)
+    assert launched == warmed and bool(inductor) == (path == "inductor")
+    _, want = grads64(SimpleNamespace(attention=program), inputs, dout)
     for g, w in zip(got, want):
         assert rel_error(g, w) < 1e-3
 

@@ -601,8 +601,15 @@ def compile_backward(c: CompiledRegion) -> None:
 
 @torch.library.custom_op("flashlight::region", mutates_args=())
 def region_op(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, fp32 row statistics for the backward)."""
-    return REGISTRY[key].run(list(inputs))
+    """(output, fp32 row statistics for the backward). A graph calls this op only where it may
+    be differentiated (``backend.replace``; else ``region_infer``), and inside a compiled
+    graph its inputs no longer say which need a gradient: the first call starts the backward's
+    compiles, as ``RegionFunction.forward`` does."""
+    c, inputs, block_stats = REGISTRY[key], list(inputs), {}
+    out, rowstats = c.run(inputs, block_stats)
+    if c.bwd_prefetch is None:
+        c.prefetch_backward(inputs, out, rowstats, block_stats)
+    return out, rowstats
 
 
 @region_op.register_fake
