@@ -2,7 +2,8 @@
 kernels (codegen/gluon_backward.py), with runtime/gluon.py — on a machine without a GPU: which
 regions and layouts get them, their background compiles and fallbacks, snapshots of their
 source, and that the generated source compiles for sm_90 with Triton's own compiler and ptxas
-(no driver needed). Their numerics need the GPU: tests/test_gpu.py."""
+(no driver needed). Their numerics and barrier protocol: tests/test_gluon_emulated.py (on the
+CPU, emulated) and tests/test_gpu.py (compiled, on an sm_90 GPU)."""
 import threading
 from types import SimpleNamespace
 

@@ -1,0 +1,371 @@
+"""Run the generated Gluon kernels on the CPU: what they compute, and their barrier protocol.
+
+Gluon kernels need an sm_90 GPU (wgmma, TMA, mbarriers, warp specialisation) and Triton's
+interpreter does not run them. This module runs their generated source through that interpreter
+(its tensors and builtins: ``tl.load``, ``tl.where``, pointer arithmetic, ``program_id`` ...)
+with the Gluon-only parts emulated:
+
+* layouts are ignored (``convert_layout`` is the identity);
+* shared memory is a NumPy array, NaN-filled (a read before a write shows);
+* ``warpgroup_mma`` multiplies in fp32 at issue (bf16 / fp16 operands, fp32 accumulator), and
+  ``warpgroup_mma_wait`` returns its dependencies;
+* a TMA copy reads its descriptor's [rows, cols] block (zeros out of bounds) at issue and
+  completes its barrier's transaction bytes;
+* mbarriers count arrivals and transaction bytes per phase (``expect`` is one arrival plus its
+  bytes, as ``mbarrier.arrive.expect_tx``); ``wait(bar, phase)`` blocks while the barrier's
+  current phase has ``phase``'s parity;
+* ``warp_specialize`` runs every partition in a thread of its own, so the loader and the compute
+  partitions really wait on each other: a wrong phase or count hangs, which the emulator reports
+  after ``TIMEOUT`` seconds instead of hanging the test.
+
+What it cannot see: races inside a phase (an async read of shared memory overwritten before its
+wait: here every read happens at issue), layouts, register pressure, and the GPU's rounding of
+fp32 -> bf16 (the interpreter truncates). Private Triton imports (the interpreter's tensors) are
+confined to this test module.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+import sys
+import tempfile
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton.language as real_tl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime import interpreter as interp
+
+TIMEOUT = 60.0      # seconds a barrier wait may block before the emulator calls it a hang
+_COND = threading.Condition()   # guards every barrier (the programs of a grid run one at a time)
+
+
+class Hang(RuntimeError):
+    """A partition waited on a barrier phase that never completed."""
+
+
+# -- values ----------------------------------------------------------------------------------------
+def scalar(x) -> int:
+    if isinstance(x, real_tl.tensor):
+        return int(np.asarray(x.handle.data).reshape(-1)[0])
+    if isinstance(x, real_tl.constexpr):
+        return int(x.value)
+    return int(x)
+
+
+def to_f32(data: np.ndarray, dtype) -> np.ndarray:
+    """Interpreter data of ``dtype`` as fp32 (bf16 is stored as uint16, as the interpreter does)."""
+    if dtype == real_tl.bfloat16:
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    return data.astype(np.float32)
+
+
+def block(data: np.ndarray, dtype) -> real_tl.tensor:
+    """A block tensor of the interpreter holding ``data`` (already in ``dtype``'s storage type)."""
+    data = np.ascontiguousarray(data)
+    return real_tl.tensor(interp.TensorHandle(data, dtype), real_tl.block_type(dtype, list(data.shape)))
+
+
+TL_DTYPES = {torch.bfloat16: real_tl.bfloat16, torch.float16: real_tl.float16, torch.float32: real_tl.float32}
+
+
+# -- layouts and shared memory --------------------------------------------------------------------
+class Layout:
+    """Any Gluon layout: the emulator computes on whole tiles, so layouts carry no meaning."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @staticmethod
+    def get_default_for(*args, **kwargs):
+        return Layout()
+
+
+class MBarrierLayout(Layout):
+    pass
+
+
+class Shared:
+    """A shared-memory buffer (or a view of one: ``index``, ``slice``, ``permute``)."""
+
+    def __init__(self, data: np.ndarray, dtype):
+        self.data, self.dtype = data, dtype
+        self.type = types.SimpleNamespace(shape=list(data.shape))
+        self.shape = self.type.shape
+
+    def index(self, i) -> Shared:
+        return Shared(self.data[scalar(i)], self.dtype)
+
+    def slice(self, start, length, dim: int = 0) -> Shared:
+        idx = [slice(None)] * self.data.ndim
+        start = scalar(start)
+        idx[dim] = slice(start, start + scalar(length))
+        return Shared(self.data[tuple(idx)], self.dtype)
+
+    def permute(self, order) -> Shared:
+        return Shared(self.data.transpose([scalar(o) for o in order]), self.dtype)
+
+    def load(self, layout=None) -> real_tl.tensor:
+        return block(self.data.copy(), self.dtype)
+
+    def store(self, value: real_tl.tensor) -> None:
+        assert value.dtype == self.dtype, (value.dtype, self.dtype)
+        self.data[...] = np.asarray(value.handle.data).reshape(self.data.shape)
+
+    def operand(self) -> np.ndarray:
+        return to_f32(self.data, self.dtype)
+
+
+class Barrier:
+    """One mbarrier: ``count`` arrivals and the expected transaction bytes complete a phase."""
+
+    def __init__(self):
+        self.count = self.pending = None
+        self.tx = self.phase = 0
+
+    def arrive(self, count: int) -> None:
+        assert self.count is not None, "arrive on an uninitialised barrier"
+        self.pending -= count
+        assert self.pending >= 0, "more arrivals than the barrier's count in one phase"
+        self.complete_if_done()
+
+    def complete_if_done(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+            _COND.notify_all()
+
+
+class Barriers:
+    def __init__(self, n: int):
+        self.items = [Barrier() for _ in range(n)]
+
+    def index(self, i) -> Barriers:
+        b = Barriers(0)
+        b.items = [self.items[scalar(i)]]
+        return b
+
+    def one(self) -> Barrier:
+        assert len(self.items) == 1, "a barrier operation on an array of barriers"
+        return self.items[0]
+
+
+def allocate_shared_memory(dtype, shape, layout, value=None):
+    shape = [scalar(s) for s in shape]
+    if isinstance(layout, MBarrierLayout):
+        return Barriers(int(np.prod(shape)))
+    storage = interp._get_np_dtype(dtype)
+    if dtype.is_floating() and dtype != real_tl.bfloat16:
+        data = np.full(shape, np.nan, dtype=storage)
+    elif dtype == real_tl.bfloat16:
+        data = np.full(shape, 0x7FC0, dtype=storage)      # bf16 NaN
+    else:
+        data = np.zeros(shape, dtype=storage)
+    s = Shared(data, dtype)
+    if value is not None:
+        s.store(value)
+    return s
+
+
+# -- the Hopper builtins ---------------------------------------------------------------------------
+class mbarrier:  # noqa: N801 — the generated code's module name
+    MBarrierLayout = MBarrierLayout
+
+    @staticmethod
+    def init(bar: Barriers, count) -> None:
+        b = bar.one()
+        with _COND:
+            b.count = b.pending = scalar(count)
+            b.tx = b.phase = 0
+
+    @staticmethod
+    def expect(bar: Barriers, nbytes, pred=True) -> None:
+        if not bool(pred):
+            return
+        b = bar.one()
+        with _COND:
+            b.tx += scalar(nbytes)
+            b.arrive(1)
+
+    @staticmethod
+    def arrive(bar: Barriers, *, count=1, pred=True) -> None:
+        if not bool(pred):
+            return
+        with _COND:
+            bar.one().arrive(scalar(count))
+
+    @staticmethod
+    def wait(bar: Barriers, phase, pred=True, deps=()) -> None:
+        if not bool(pred):
+            return
+        b, parity = bar.one(), scalar(phase) & 1
+        with _COND:
+            if not _COND.wait_for(lambda: b.phase % 2 != parity, TIMEOUT):
+                raise Hang(f"a wait for phase parity {parity} never completed (phases done: {b.phase}, "
+                           f"arrivals pending: {b.pending}, bytes pending: {b.tx})")
+
+    @staticmethod
+    def invalidate(bar: Barriers) -> None:
+        pass
+
+
+class Descriptor:
+    """A host TensorDescriptor as the kernel sees it: a [rows, cols] view, its block, its dtype."""
+
+    def __init__(self, d: TensorDescriptor):
+        self.view = d.base.as_strided(list(d.shape), list(d.strides))
+        self.block_shape = list(d.block_shape)
+        self.dtype = TL_DTYPES[d.base.dtype]
+        self.layout = Layout()
+        nbytes = int(np.prod(self.block_shape)) * d.base.element_size()
+        self.block_type = types.SimpleNamespace(nbytes=nbytes, shape=self.block_shape)
+
+    def storage(self, x: torch.Tensor) -> np.ndarray:
+        x = x.detach().contiguous()
+        return x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
+
+    def read(self, coord) -> np.ndarray:
+        r, c = (scalar(x) for x in coord)
+        out = np.zeros(self.block_shape, dtype=interp._get_np_dtype(self.dtype))
+        rows, cols = self.view.shape
+        r1, c1 = min(r + self.block_shape[0], rows), min(c + self.block_shape[1], cols)
+        if r1 > r and c1 > c and r >= 0 and c >= 0:
+            out[:r1 - r, :c1 - c] = self.storage(self.view[r:r1, c:c1])
+        return out
+
+
+class tma:  # noqa: N801
+    @staticmethod
+    def async_copy_global_to_shared(desc: Descriptor, coord, barrier: Barriers, result: Shared, pred=True) -> None:
+        if not bool(pred):
+            return
+        result.data[...] = desc.read(coord)
+        b = barrier.one()
+        with _COND:
+            b.tx -= desc.block_type.nbytes
+            assert b.tx >= 0, "a copy completed more bytes than its barrier expected"
+            b.complete_if_done()
+
+    @staticmethod
+    def store_wait(pendings=0) -> None:
+        pass
+
+
+def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
+    def operand(x):
+        return x.operand() if isinstance(x, Shared) else to_f32(np.asarray(x.handle.data), x.dtype)
+    out = np.matmul(operand(a), operand(b)).astype(np.float32)
+    if bool(use_acc):
+        out = out + np.asarray(acc.handle.data, dtype=np.float32)
+    return block(out, real_tl.float32)
+
+
+def warpgroup_mma_wait(num_outstanding=0, deps=None):
+    deps = tuple(deps or ())
+    return deps[0] if len(deps) == 1 else deps
+
+
+def fence_async_shared(cluster=False) -> None:
+    pass
+
+
+# -- warp specialisation: a thread per partition ---------------------------------------------------
+def warp_specialize(functions_and_args, worker_num_warps=None, worker_num_regs=None):
+    errors: list[BaseException] = []
+
+    def run(fn, args):
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 — re-raised by the launching thread
+            errors.append(e)
+            with _COND:
+                _COND.notify_all()
+    threads = [threading.Thread(target=run, args=(fn, tuple(args)), daemon=True) for fn, args in functions_and_args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT * 2)
+    if any(t.is_alive() for t in threads):
+        raise Hang("a partition did not finish")
+    hangs = [e for e in errors if isinstance(e, Hang) or isinstance(e.__cause__, Hang)]
+    if errors:
+        raise (hangs or errors)[0]
+
+
+# -- the generated code's ``tl``: Triton's language (the interpreter's builtins) plus Gluon's extras
+class _Language:
+    """``tl`` of the emulated source: Gluon-only names here, everything else Triton's own,
+    looked up at each use (the interpreter patches Triton's builtins for the duration of a launch)."""
+
+    Layout = SliceLayout = BlockedLayout = NVMMADistributedLayout = DotOperandLayout = Layout
+    NVMMASharedLayout = SwizzledSharedLayout = Layout
+    allocate_shared_memory = staticmethod(allocate_shared_memory)
+    warp_specialize = staticmethod(warp_specialize)
+
+    @staticmethod
+    def arange(start, end, layout=None):
+        return real_tl.arange(start, end)
+
+    @staticmethod
+    def zeros(shape, dtype, layout=None):
+        return real_tl.zeros(shape, dtype)
+
+    @staticmethod
+    def full(shape, value, dtype, layout=None):
+        return real_tl.full(shape, value, dtype)
+
+    @staticmethod
+    def convert_layout(value, layout, assert_trivial=False):
+        return value
+
+    @staticmethod
+    def to_tensor(x):
+        return interp.interpreter_semantic.to_tensor(x)
+
+    @staticmethod
+    def thread_barrier():
+        pass
+
+    def __getattr__(self, name):
+        return getattr(real_tl, name)
+
+
+tl = _Language()
+gluon = types.SimpleNamespace(jit=interp.InterpretedFunction)
+_MODULE = "_flashlight_gluon_emulation"
+sys.modules.setdefault(_MODULE, sys.modules[__name__])
+
+HEADER = f"""import triton
+import triton.language as _triton_language  # the interpreter patches the builtins it finds here
+from {_MODULE} import gluon, tl, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, fence_async_shared
+"""
+_IMPORTS = re.compile(r"^(from triton\.experimental[^\n]*\([^)]*\)\n|from triton\.experimental[^\n]*\n|"
+                      r"from flashlight\.codegen import gluon_tl as tl\n|import triton\n)", re.M)
+
+
+class Kernel:
+    """A generated Gluon kernel, emulated: ``Kernel(fn)[grid](*args, **meta)`` as on the GPU."""
+
+    def __init__(self, fn, edit=None):
+        """``edit``: a function of the source text (the tests break a kernel on purpose)."""
+        source = Path(inspect.getsourcefile(getattr(fn, "fn", fn))).read_text()
+        source = edit(source) if edit else source
+        name = getattr(fn, "__name__", None) or fn.fn.__name__
+        source = HEADER + _IMPORTS.sub("", source)
+        path = Path(tempfile.mkdtemp(prefix="gluon_emu_")) / f"{name}_emulated.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(f"{name}_emulated", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        self.fn, self.source = getattr(module, name), source
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            args = [Descriptor(a) if isinstance(a, TensorDescriptor) else a for a in args]
+            meta = {k: Descriptor(v) if isinstance(v, TensorDescriptor) else v for k, v in meta.items()}
+            return self.fn[tuple(grid)](*args, **meta)
+        return launch

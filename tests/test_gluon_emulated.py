@@ -1,0 +1,131 @@
+"""The generated Gluon kernels' numerics and barrier protocol on the CPU (tests/gluon_emulator.py):
+the forward, dK/dV and dQ kernels of each region that has them, launched with the runtime's own
+arguments and descriptors (``runtime.gluon.launch`` / ``launch_tile``) on fp16 inputs, against the
+Triton kernels on the same inputs and row statistics, and against float64. Every partition runs
+in a thread of its own, so a wrong barrier phase or count hangs here too (reported, not hung)."""
+import numpy as np
+import pytest
+import torch
+
+import gluon_emulator as emu
+from flashlight.codegen.gluon import gluon_support
+from flashlight.codegen.gluon_backward import tiles_support
+from flashlight.examples import VARIANTS
+from flashlight.ir.evaluate import evaluate
+from flashlight.ir.region import rowstat_columns
+from flashlight.runtime import gluon as rg
+from flashlight.runtime import op as rt
+from flashlight.runtime.backward import compile_gluon_tile
+from flashlight.runtime.buffers import unwritten
+from flashlight.testing import reference, rel_error, to64
+
+# (variant, head dim, length, make_inputs' other arguments): whole Gluon blocks (the forward: 128
+# queries x 128 keys; dK/dV: 64 x 128; dQ: 128 x 64); the band and the prefix are the examples'
+# own (256 keys); key padding with a batch row of padding only (its rows fully masked: 0)
+CASES = [("vanilla", 64, 256, {}), ("causal", 64, 384, {}), ("causal", 128, 256, {}), ("sliding_window", 64, 512, {}),
+         ("prefix_lm", 64, 512, {}), ("document_mask", 64, 384, {}), ("document_mask", 128, 256, {}),
+         ("alibi", 64, 256, {}), ("softcap", 64, 256, {}), ("gqa", 64, 256, {}), ("gated", 64, 256, {}),
+         ("hand_softmax", 64, 256, {}), ("key_padding", 64, 256, dict(B=2, lengths=[0, 200]))]
+IDS = [f"{name}-d{d}-n{n}" for name, d, n, _ in CASES]
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """The region of a variant on fp16 CPU inputs (B=1 H=2) and the op's inputs, in its order."""
+    def get(name: str, d: int, n: int, extra: dict):
+        rt.REGISTRY.clear()
+        seen, run_all = {}, rt.CompiledRegion.run_all
+
+        def recording(self, inputs, *args, **kwargs):
+            seen.setdefault("inputs", [x.detach() for x in inputs])
+            return run_all(self, inputs, *args, **kwargs)
+        monkeypatch.setattr(rt.CompiledRegion, "run_all", recording)
+        torch.manual_seed(0)
+        inputs = VARIANTS[name].make_inputs(**{"B": 1, "H": 2, "M": n, "D": d, "dtype": torch.float16, **extra})
+        with torch.no_grad():
+            torch.compile(VARIANTS[name].attention, backend="flashlight", dynamic=False)(*inputs)
+        monkeypatch.setattr(rt.CompiledRegion, "run_all", run_all)
+        (c,) = rt.REGISTRY.values()
+        return c, seen["inputs"], inputs
+    yield get
+    rt.REGISTRY.clear()
+
+
+@pytest.mark.parametrize("name,d,n,extra", CASES, ids=IDS)
+def test_gluon_forward(traced, name, d, n, extra):
+    """Output and row statistics of the emulated Gluon forward against the Triton kernel's
+    (same inputs) and the output against float64."""
+    c, xs, inputs = traced(name, d, n, extra)
+    assert gluon_support(c.region) == "" and rg.usable(c.region, xs)
+    out_t, stats_t = c.run(xs)
+    kernel = emu.Kernel(rt.compile_gluon(c))
+    outs = c.new_outputs(xs[0])
+    stats = unwritten(xs[0].new_empty(c.rowstats_shape, dtype=torch.float32))
+    rg.launch(kernel, c.region, rt.kernel_args(c.region, c.stats, xs, outs, stats, {}), xs, True)
+    assert rel_error(outs[0], out_t.double()) < 1e-3
+    assert rel_error(outs[0], reference(VARIANTS[name].attention, *inputs)) < 2e-3
+    assert torch.equal(torch.isfinite(stats_t), torch.isfinite(stats))
+    (shift, total, product), _ = rowstat_columns(c.region)
+    for j in (shift, total):        # the shift and the row sum: fp32 arithmetic on the same scores
+        assert rel_error(stats[..., j], stats_t[..., j].double()) < 1e-5
+    if product is not None:         # an epilogue's P @ V, from P in fp16 under each kernel's shifts
+        assert rel_error(stats[..., product:], stats_t[..., product:].double()) < 1e-3
+
+
+@pytest.mark.parametrize("name,d,n,extra", CASES, ids=IDS)
+def test_gluon_tile_kernels(traced, name, d, n, extra):
+    """The gradients of a backward whose dK/dV and dQ are the emulated Gluon kernels (on the
+    Triton row kernel's row gradients) against the all-Triton backward's and float64's; the
+    gradient buffers start NaN-filled (FLASHLIGHT_POISON), so an element never written fails."""
+    c, xs, _ = traced(name, d, n, extra)
+    assert tiles_support(c.region) == ""
+    k = c.backward_kernels()
+    out, stats = c.run(xs)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    triton = c.backward(xs, stats, out, dout)
+    bufs = k.buffers(xs)
+    drows = k.launch_rows(xs, stats, out, dout, bufs, c.rows_config(xs))
+    r = k.region
+    for kernel, operands in (("dkdv", (r.dots[0].k, r.reductions[2].v)), ("dq", (r.dots[0].q, ))):
+        assert rg.tiles_usable(kernel, r, xs, drows[1], [bufs[e.args[0]] for e in operands], [stats, drows[0]])
+        args = k.tile_args(kernel, xs, stats, drows, bufs, {})
+        rg.launch_tile(kernel, emu.Kernel(compile_gluon_tile(k, kernel)), r, args, xs, drows[1])
+    got = k.results(xs, bufs)
+    floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
+    want = dict(zip(floats, reference_grads(c, xs, dout)))
+    for i in floats:
+        assert rel_error(got[i], triton[i].double()) < 1e-3, i
+        assert rel_error(got[i], want[i]) < 2e-3, i
+
+
+def reference_grads(c, xs, dout):
+    """float64 gradients of the region's own inputs (its reference evaluator's VJP)."""
+    floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
+    leaves = [to64(x).requires_grad_() if x.is_floating_point() else x for x in xs]
+    out = evaluate(c.region, leaves)
+    return torch.autograd.grad(out, [leaves[i] for i in floats], to64(dout))
+
+
+def test_a_wrong_barrier_protocol_hangs_and_is_reported(traced, monkeypatch):
+    """The emulator's partitions really wait on each other: a compute partition that never
+    releases its ring slots (no arrive on the empty barriers) stalls the loader once the ring
+    has wrapped, reported as a hang."""
+    monkeypatch.setattr(emu, "TIMEOUT", 1.0)
+    c, xs, _ = traced("vanilla", 64, 256, {})      # dQ: 4 key blocks through a ring of 2
+    k = c.backward_kernels()
+    out, stats = c.run(xs)
+    bufs = k.buffers(xs)
+    drows = k.launch_rows(xs, stats, out, torch.ones_like(out), bufs, c.rows_config(xs))
+    kernel = emu.Kernel(compile_gluon_tile(k, "dq"), edit=lambda s: s.replace(
+        "mbarrier.arrive(k_empty.index(st), count=1)", "pass"))
+    args = k.tile_args("dq", xs, stats, drows, bufs, {})
+    with pytest.raises(Exception, match="never completed|did not finish"):
+        rg.launch_tile("dq", kernel, k.region, args, xs, drows[1])
+
+
+def test_emulated_shared_memory_starts_nan():
+    """A read of shared memory before any write shows as NaN (fp16 and bf16 storage)."""
+    import triton.language as tl
+    for dtype in (tl.float16, tl.bfloat16):
+        s = emu.allocate_shared_memory(dtype, [2, 4], emu.Layout())
+        assert np.isnan(emu.to_f32(s.data, dtype)).all()
