@@ -33,12 +33,17 @@ class Program:
     oracle: object = None       # the float64 reference's program, when it must differ from ``fn``
 
 
-def make_program(rng: random.Random) -> Program:
+def make_program(rng: random.Random, sizes: dict | None = None) -> Program:
+    """A random program. ``sizes`` overrides the drawn sizes (``B``, ``H``, ``M``, ``N``, ``D``,
+    ``Dv``; drawn all the same, so a seed keeps the rest of its program): the Gluon fuzz asks for
+    whole blocks and head dims 64 / 128."""
     B, H = rng.choice([1, 2]), rng.choice([1, 2, 4])
     M = rng.choice([1, 2, 5, 13, 16, 31, 37, 64, 70])
     N = rng.choice([M, M, 3, 17, 29, 48, 61, 83])
     D = rng.choice([8, 16, 24, 32, 48, 80])   # 48, 80: QK^T in power-of-two pieces
     Dv = rng.choice([D, D, 16])
+    if sizes:
+        B, H, M, N, D, Dv = (sizes.get(k, x) for k, x in zip("B H M N D Dv".split(), (B, H, M, N, D, Dv)))
     gqa = rng.choice(["none", "none", "expand", "repeat_interleave"]) if H > 1 else "none"
     Hkv = 1 if gqa != "none" else H
     bshd = rng.random() < 0.3
@@ -98,7 +103,7 @@ def make_program(rng: random.Random) -> Program:
         ki = torch.arange(N)[None, :]
         if bias == "alibi":
             slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
-            s = s + slopes[:, None, None] * (ki - qi)
+            s = s + (slopes[:, None, None] * (ki - qi)).to(s.dtype)     # fp16 programs stay fp16
         elif bias != "none":
             s = s + ex["bias"]
         keep = {

@@ -369,3 +369,37 @@ class Kernel:
             meta = {k: Descriptor(v) if isinstance(v, TensorDescriptor) else v for k, v in meta.items()}
             return self.fn[tuple(grid)](*args, **meta)
         return launch
+
+
+# -- running a region's Gluon kernels next to its Triton kernels ------------------------------------
+def forward(c, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and row statistics of region ``c``'s Gluon forward, emulated, on the op's inputs
+    ``xs`` (launched as the runtime launches it: ``runtime.gluon.launch``)."""
+    from flashlight.runtime import gluon as rg
+    from flashlight.runtime import op as rt
+    from flashlight.runtime.buffers import unwritten
+    outs = c.new_outputs(xs[0])
+    stats = unwritten(xs[0].new_empty(c.rowstats_shape, dtype=torch.float32))
+    rg.launch(Kernel(rt.compile_gluon(c)), c.region, rt.kernel_args(c.region, c.stats, xs, outs, stats, {}), xs, True)
+    return outs[0], stats
+
+
+def tile_gradients(c, xs: list[torch.Tensor], out: torch.Tensor, stats: torch.Tensor, dout: torch.Tensor,
+                   kernels=("dkdv", "dq"), edit=None) -> list[torch.Tensor | None]:
+    """The gradients of region ``c``'s inputs from a backward whose ``kernels`` are the Gluon tile
+    kernels, emulated (the others and the row kernel: Triton's), launched as the runtime launches
+    them (``runtime.gluon.launch_tile``, after checking ``tiles_usable``)."""
+    from flashlight.runtime import gluon as rg
+    from flashlight.runtime.backward import compile_gluon_tile
+    k = c.backward_kernels()
+    r = k.region
+    bufs = k.buffers(xs)
+    drows = k.launch_rows(xs, stats, out, dout, bufs, c.rows_config(xs))
+    for kernel, operands in (("dkdv", (r.dots[0].k, r.reductions[2].v)), ("dq", (r.dots[0].q, ))):
+        if kernel in kernels:
+            assert rg.tiles_usable(kernel, r, xs, drows[1], [bufs[e.args[0]] for e in operands], [stats, drows[0]])
+            args = k.tile_args(kernel, xs, stats, drows, bufs, {})
+            rg.launch_tile(kernel, Kernel(compile_gluon_tile(k, kernel), edit), r, args, xs, drows[1])
+        else:
+            getattr(k, f"launch_{kernel}")(xs, stats, drows, bufs, {}, c.config(xs, kernel))
+    return k.results(xs, bufs)

@@ -15,8 +15,6 @@ from flashlight.ir.evaluate import evaluate
 from flashlight.ir.region import rowstat_columns
 from flashlight.runtime import gluon as rg
 from flashlight.runtime import op as rt
-from flashlight.runtime.backward import compile_gluon_tile
-from flashlight.runtime.buffers import unwritten
 from flashlight.testing import reference, rel_error, to64
 
 # (variant, head dim, length, make_inputs' other arguments): whole Gluon blocks (the forward: 128
@@ -58,12 +56,9 @@ def test_gluon_forward(traced, name, d, n, extra):
     c, xs, inputs = traced(name, d, n, extra)
     assert gluon_support(c.region) == "" and rg.usable(c.region, xs)
     out_t, stats_t = c.run(xs)
-    kernel = emu.Kernel(rt.compile_gluon(c))
-    outs = c.new_outputs(xs[0])
-    stats = unwritten(xs[0].new_empty(c.rowstats_shape, dtype=torch.float32))
-    rg.launch(kernel, c.region, rt.kernel_args(c.region, c.stats, xs, outs, stats, {}), xs, True)
-    assert rel_error(outs[0], out_t.double()) < 1e-3
-    assert rel_error(outs[0], reference(VARIANTS[name].attention, *inputs)) < 2e-3
+    out, stats = emu.forward(c, xs)
+    assert rel_error(out, out_t.double()) < 1e-3
+    assert rel_error(out, reference(VARIANTS[name].attention, *inputs)) < 2e-3
     assert torch.equal(torch.isfinite(stats_t), torch.isfinite(stats))
     (shift, total, product), _ = rowstat_columns(c.region)
     for j in (shift, total):        # the shift and the row sum: fp32 arithmetic on the same scores
@@ -79,18 +74,10 @@ def test_gluon_tile_kernels(traced, name, d, n, extra):
     gradient buffers start NaN-filled (FLASHLIGHT_POISON), so an element never written fails."""
     c, xs, _ = traced(name, d, n, extra)
     assert tiles_support(c.region) == ""
-    k = c.backward_kernels()
     out, stats = c.run(xs)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     triton = c.backward(xs, stats, out, dout)
-    bufs = k.buffers(xs)
-    drows = k.launch_rows(xs, stats, out, dout, bufs, c.rows_config(xs))
-    r = k.region
-    for kernel, operands in (("dkdv", (r.dots[0].k, r.reductions[2].v)), ("dq", (r.dots[0].q, ))):
-        assert rg.tiles_usable(kernel, r, xs, drows[1], [bufs[e.args[0]] for e in operands], [stats, drows[0]])
-        args = k.tile_args(kernel, xs, stats, drows, bufs, {})
-        rg.launch_tile(kernel, emu.Kernel(compile_gluon_tile(k, kernel)), r, args, xs, drows[1])
-    got = k.results(xs, bufs)
+    got = emu.tile_gradients(c, xs, out, stats, dout)
     floats = [i for i, x in enumerate(xs) if x.is_floating_point()]
     want = dict(zip(floats, reference_grads(c, xs, dout)))
     for i in floats:
@@ -112,15 +99,10 @@ def test_a_wrong_barrier_protocol_hangs_and_is_reported(traced, monkeypatch):
     has wrapped, reported as a hang."""
     monkeypatch.setattr(emu, "TIMEOUT", 1.0)
     c, xs, _ = traced("vanilla", 64, 256, {})      # dQ: 4 key blocks through a ring of 2
-    k = c.backward_kernels()
     out, stats = c.run(xs)
-    bufs = k.buffers(xs)
-    drows = k.launch_rows(xs, stats, out, torch.ones_like(out), bufs, c.rows_config(xs))
-    kernel = emu.Kernel(compile_gluon_tile(k, "dq"), edit=lambda s: s.replace(
-        "mbarrier.arrive(k_empty.index(st), count=1)", "pass"))
-    args = k.tile_args("dq", xs, stats, drows, bufs, {})
     with pytest.raises(Exception, match="never completed|did not finish"):
-        rg.launch_tile("dq", kernel, k.region, args, xs, drows[1])
+        emu.tile_gradients(c, xs, out, stats, torch.ones_like(out), kernels=("dq", ), edit=lambda s: s.replace(
+            "mbarrier.arrive(k_empty.index(st), count=1)", "pass"))
 
 
 def test_emulated_shared_memory_starts_nan():

@@ -167,6 +167,21 @@ def test_base2_folds_log2e_into_the_scale_and_the_fill():
     assert torch.allclose(evaluate(r, [q, k, v]), evaluate(_masked_softmax(float("-inf")), [q, k, v]), atol=1e-6)
 
 
+def test_base2_folds_log2e_into_an_unscaled_product():
+    """softmax(s) @ v with the scale already in Q (``q = q * scale``: timm's spelling) or none:
+    the product takes log2(e) itself (the one multiply tl.exp had), so such programs run in base
+    2 and get the Gluon forward too; same values."""
+    from flashlight.rewrite import LOG2E
+    plain = softmax_region()
+    s = dot(0)
+    plain.reductions = [Reduction("max", s), Reduction("sum", call("exp", call("sub", s, red(0)))),
+                        Reduction("dot", call("exp", call("sub", s, red(0))), plain.reductions[2].v)]
+    r = rewrite(plain)
+    assert r.reductions[0].base2 and r.reductions[0].body == call("mul", dot(0), const(LOG2E))
+    q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    assert torch.allclose(evaluate(r, [q, k, v]), torch.softmax(q @ k.mT, -1) @ v, atol=1e-6)
+
+
 def test_base2_keeps_a_finite_fill_finite_and_rows_it_fills_uniform():
     """finfo.min * log2(e) overflows float32: the folded fill clamps to -finfo.max, so a row
     whose every key is filled still averages V (eager's result for a finite fill)."""
