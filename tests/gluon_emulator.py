@@ -48,6 +48,10 @@ class Hang(RuntimeError):
     """A partition waited on a barrier phase that never completed."""
 
 
+class NotUsable(ValueError):
+    """The runtime would not launch this Gluon kernel for these inputs (``tiles_usable``)."""
+
+
 # -- values ----------------------------------------------------------------------------------------
 def scalar(x) -> int:
     if isinstance(x, real_tl.tensor):
@@ -388,7 +392,7 @@ def tile_gradients(c, xs: list[torch.Tensor], out: torch.Tensor, stats: torch.Te
                    kernels=("dkdv", "dq"), edit=None) -> list[torch.Tensor | None]:
     """The gradients of region ``c``'s inputs from a backward whose ``kernels`` are the Gluon tile
     kernels, emulated (the others and the row kernel: Triton's), launched as the runtime launches
-    them (``runtime.gluon.launch_tile``, after checking ``tiles_usable``)."""
+    them (``runtime.gluon.launch_tile``); ``NotUsable`` where the runtime would not launch one."""
     from flashlight.runtime import gluon as rg
     from flashlight.runtime.backward import compile_gluon_tile
     k = c.backward_kernels()
@@ -397,7 +401,8 @@ def tile_gradients(c, xs: list[torch.Tensor], out: torch.Tensor, stats: torch.Te
     drows = k.launch_rows(xs, stats, out, dout, bufs, c.rows_config(xs))
     for kernel, operands in (("dkdv", (r.dots[0].k, r.reductions[2].v)), ("dq", (r.dots[0].q, ))):
         if kernel in kernels:
-            assert rg.tiles_usable(kernel, r, xs, drows[1], [bufs[e.args[0]] for e in operands], [stats, drows[0]])
+            if not rg.tiles_usable(kernel, r, xs, drows[1], [bufs[e.args[0]] for e in operands], [stats, drows[0]]):
+                raise NotUsable(f"the Gluon {kernel} kernel does not take these layouts or sizes")
             args = k.tile_args(kernel, xs, stats, drows, bufs, {})
             rg.launch_tile(kernel, Kernel(compile_gluon_tile(k, kernel), edit), r, args, xs, drows[1])
         else:

@@ -83,7 +83,11 @@ def check(p: Program) -> tuple[bool, str]:
             continue
         dout = torch.randn(out_t.shape, generator=torch.Generator().manual_seed(0)).to(out_t.dtype)
         want = c.backward(xs, stats_t, out_t, dout)
-        got = emu.tile_gradients(c, xs, out_t, stats_t, dout)
+        try:
+            got = emu.tile_gradients(c, xs, out_t, stats_t, dout)
+        except emu.NotUsable as e:
+            notes.append(str(e))
+            continue
         pairs = [(g, w) for g, w, x in zip(got, want, xs) if x.is_floating_point()]
         scale = max(w.double().norm().item() for _, w in pairs)
         gerr = max(scaled_error(g, w, scale) for g, w in pairs)

@@ -33,7 +33,7 @@ def region(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi",
-                                  "softcap", "gated", "hand_softmax"])
+                                  "softcap", "gated", "hand_softmax", "merged_heads"])
 def test_one_softmax_regions_have_gluon_forward_and_backward_kernels(region, name):
     c, _ = region(name)
     assert gluon_support(c.region) == "" and tiles_support(c.region) == ""
@@ -163,14 +163,14 @@ def test_the_gluon_kernel_compiles_in_the_background(region, monkeypatch):
 
 
 def test_generated_gluon_compiles_for_sm90():
-    """Four kernels (one without a mask: its one softmax body) as the runtime would launch them (arguments, descriptors, constexprs),
+    """Five kernels (one without a mask: its one softmax body; one storing merged heads) as the runtime would launch them (arguments, descriptors, constexprs),
     compiled to cubins by ``benchmarks.offline`` in a process of its own: Gluon's wrappers of
     triton.language cannot compile in this one, whose interpreter is on. Each must be
     warp-specialised into async wgmma without spills."""
-    out = compile_offline("-m", "benchmarks.offline", "--variants", "vanilla,causal,document_mask,softcap",
+    out = compile_offline("-m", "benchmarks.offline", "--variants", "vanilla,causal,document_mask,softcap,merged_heads",
                           "--b", "1", "--h", "2", "--n", "256", "--d", "64", "--kernels", "gfwd")
     rows = [line.split() for line in out.splitlines() if " gfwd " in line]
-    assert [r[0] for r in rows] == ["vanilla", "causal", "document_mask", "softcap"], out
+    assert [r[0] for r in rows] == ["vanilla", "causal", "document_mask", "softcap", "merged_heads"], out
     for r in rows:      # variant gfwd gluon secs regs spills smem async sass...
         assert r[5] == "0/0" and r[7] == "async" and any(x.startswith("HGMMA=") for x in r), r
         assert any(x.startswith("UTMALDG=") for x in r), r

@@ -19,12 +19,16 @@ from flashlight.testing import reference, rel_error, to64
 
 # (variant, head dim, length, make_inputs' other arguments): whole Gluon blocks (the forward: 128
 # queries x 128 keys; dK/dV: 64 x 128; dQ: 128 x 64); the band and the prefix are the examples'
-# own (256 keys); key padding with a batch row of padding only (its rows fully masked: 0)
+# own (256 keys); key padding with a batch row of padding only (its rows fully masked: 0); the
+# heads merged into the output's rows (a permuted store)
 CASES = [("vanilla", 64, 256, {}), ("causal", 64, 384, {}), ("causal", 128, 256, {}), ("sliding_window", 64, 512, {}),
          ("prefix_lm", 64, 512, {}), ("document_mask", 64, 384, {}), ("document_mask", 128, 256, {}),
          ("alibi", 64, 256, {}), ("softcap", 64, 256, {}), ("gqa", 64, 256, {}), ("gated", 64, 256, {}),
-         ("hand_softmax", 64, 256, {}), ("key_padding", 64, 256, dict(B=2, lengths=[0, 200]))]
+         ("hand_softmax", 64, 256, {}), ("key_padding", 64, 256, dict(B=2, lengths=[0, 200])),
+         ("merged_heads", 128, 256, {})]
 IDS = [f"{name}-d{d}-n{n}" for name, d, n, _ in CASES]
+
+
 
 
 @pytest.fixture

@@ -75,12 +75,13 @@ def bulk_operand(e, n: str, d: str) -> bool:
 def gluon_support(region: Region) -> str:
     """Why ``region`` has no Gluon forward ('' when it has one): one pass of a row max, a sum
     and one P @ V product of the same exponentials (a plain softmax), one QK^T, head dims of 64
-    or 128, K and V read as whole [key, head] rows, and only ops Gluon has."""
+    or 128, K and V read as whole [key, head] rows, and only ops Gluon has. The output may be
+    stored permuted (a head merge: ``o.transpose(1, 2).reshape(B, M, H * D)``)."""
     r = region
     if r.DK not in HEAD_DIMS or r.DV not in HEAD_DIMS:
         return f"head dims {r.DK}, {r.DV} (Gluon kernels: {HEAD_DIMS})"
-    if len(r.dots) != 1 or len(r.passes()) != 1 or r.rows or r.out_index is not None:
-        return "not one score tile in one pass with a plain output"
+    if len(r.dots) != 1 or len(r.passes()) != 1 or r.rows:
+        return "not one score tile in one pass without row outputs"
     kinds = [red.kind for red in r.reductions]
     if kinds != ["max", "sum", "dot"]:
         return f"reductions {kinds} (a softmax's max, sum, P @ V)"
@@ -406,7 +407,7 @@ class GluonWriter(KernelWriter):
         em.loop_reds = set()
         em.red_names = {0: "m_o[:, None]", 1: "l_o[:, None]", 2: "acc"}
         val = em.emit(r.out, GCTX_O, epi)
-        epi.lines.append(f"tl.store(out_ptr + {out_offsets(r, em, epi, 'out', GCTX_O)}, "
+        epi.lines.append(f"tl.store(out_ptr + {out_offsets(r, em, epi, 'out', GCTX_O, gluon=True)}, "
                          f"{val}.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])")
         params = ", ".join(["W: tl.constexpr", *self.compute_params()])
         body = "\n".join("    " + x for x in pre + loop + epi.lines)

@@ -185,17 +185,21 @@ def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
     return torch.float32
 
 
-def out_offsets(region: Region, em: Emitter, block: Block, base: str, ctx: Ctx = CTX_O) -> str:
+def out_offsets(region: Region, em: Emitter, block: Block, base: str, ctx: Ctx = CTX_O, gluon: bool = False) -> str:
     """Offsets of the output tile of ``ctx`` ([BLOCK_M, BLOCK_DV], or a DV piece's) in a tensor
     of the output's shape with strides ``{base}_s{d}``: the forward's store, the backward's load
     of dO. A permuted or reshaped output (DiffAttn's head merge) takes its index from the epilogue's views, broadcast
-    to the whole tile (with one query, M = 1, no index term varies along m)."""
+    to the whole tile (with one query, M = 1, no index term varies along m); ``gluon``: Gluon has
+    no ``broadcast_to`` (a shape needs a layout), so the index broadcasts against the tile's own
+    row and column offsets instead."""
     nb = len(region.batch)
     if region.out_index is None:
         return " + ".join([f"b{d} * {base}_s{d}" for d in range(nb)] + [f"offs_m[:, None] * {base}_s{nb}",
                                                                        f"{ctx.vars['dv']} * {base}_s{nb + 1}"])
     terms = [f"{em.emit(i, ctx, block)} * {base}_s{d}" for d, i in enumerate(region.out_index)
              if not (i.op == "const" and i.args[0] == 0)]
+    if gluon:
+        return f"tl.broadcast({' + '.join(terms) or '0'}, {ctx.vars['m']} + {ctx.vars['dv']})[0]"
     return f"tl.broadcast_to({' + '.join(terms) or '0'}, {TILE[ctx.name][2]})"
 
 
