@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import flashlight
 import gluon_emulator as emu
 from flashlight.codegen.gluon import gluon_support
 from flashlight.codegen.gluon_backward import tiles_support
@@ -115,3 +116,37 @@ def test_emulated_shared_memory_starts_nan():
     for dtype in (tl.float16, tl.bfloat16):
         s = emu.allocate_shared_memory(dtype, [2, 4], emu.Layout())
         assert np.isnan(emu.to_f32(s.data, dtype)).all()
+
+
+def test_the_gluon_kernels_take_over_through_torch_compile_and_autograd(monkeypatch):
+    """The runtime's whole Hopper path, with the kernels emulated: the first training step runs
+    the Triton kernels and compiles the Gluon forward, dK/dV and dQ kernels in the background;
+    the next step runs all three (their tiers say so), and both steps' outputs and gradients
+    match float64 and each other."""
+    from flashlight.examples import causal
+    from flashlight.runtime import backward as rb
+    compile_gluon, compile_tile = rt.compile_gluon, rb.compile_gluon_tile
+    monkeypatch.setattr(rg, "runs_on", lambda device: True)         # as on an H200 ...
+    monkeypatch.setattr(rg, "warm", lambda *args: None)             # ... whose compiles the emulator needs not
+    monkeypatch.setattr(rt, "compile_gluon", lambda c: emu.Kernel(compile_gluon(c)))
+    monkeypatch.setattr(rb, "compile_gluon_tile", lambda k, kernel: emu.Kernel(compile_tile(k, kernel)))
+    for kernel in ("", "_DKDV", "_DQ"):
+        monkeypatch.setenv(f"FLASHLIGHT_GLUON{kernel}", "all")
+    rt.REGISTRY.clear()
+    torch.manual_seed(0)
+    inputs = [x.requires_grad_() for x in causal.make_inputs(B=1, H=2, M=256, D=64, dtype=torch.float16)]
+    dout = torch.randn(1, 2, 256, 64, dtype=torch.float16)
+    fn = torch.compile(causal.attention, backend="flashlight")
+    steps = []
+    for _ in range(2):
+        out = fn(*inputs)
+        steps.append([out, *torch.autograd.grad(out, inputs, dout)])
+        flashlight.wait()
+    (c,) = rt.REGISTRY.values()
+    k = c.bwd_kernel
+    assert c.gfwd.launched and k.tier("dkdv").launched and k.tier("dq").launched
+    ref = [to64(x).detach().requires_grad_() for x in inputs]
+    want = causal.attention(*ref)
+    want = [want, *torch.autograd.grad(want, ref, to64(dout))]
+    for triton, gluon, w in zip(*steps, want):
+        assert rel_error(gluon, w) < 2e-3 and rel_error(gluon, triton.double()) < 1e-3

@@ -209,8 +209,8 @@ class BackwardKernels:
         tensors it writes (``runtime.gluon.tiles_usable``), unless it failed? The cheap tests
         first: this runs on every backward."""
         mode = gluon.mode(kernel)
-        if (self.tier(kernel).kernel is False or mode == "0" or not inputs[0].is_cuda or op.interpreting()
-                or not gluon.hopper(inputs[0].device) or (mode != "all" and self.gluon_tiles_slower)
+        if (self.tier(kernel).kernel is False or mode == "0" or not gluon.runs_on(inputs[0].device)
+                or (mode != "all" and self.gluon_tiles_slower)
                 or self.gluon_tiles_unsupported):
             return False
         r = self.region

@@ -39,6 +39,13 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Can the Gluon kernels run on ``device``: an sm_90 GPU, Triton's interpreter off (it does
+    not run Gluon). The one place the runtime asks (tests/test_gluon_emulated.py answers yes on
+    the CPU, where its emulator runs them)."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1" and hopper(device)
+
+
 def hopper(device: torch.device) -> bool:
     """sm_90 (H100, H200): the Gluon kernels use its wgmma and TMA (sm_100 has neither form)."""
     return device.type == "cuda" and _capability(device.index if device.index is not None

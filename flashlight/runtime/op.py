@@ -214,8 +214,8 @@ class CompiledRegion:
         import and Triton compile), submitted right after the first call's Triton launch, and
         the Triton kernel serves every call until it is ready (a tiered JIT)."""
         mode = gluon.mode()
-        return not (self.gfwd.kernel is False or mode == "0" or not inputs[0].is_cuda or interpreting()
-                    or (mode != "all" and self.gluon_slower) or not gluon.hopper(inputs[0].device)
+        return not (self.gfwd.kernel is False or mode == "0" or (mode != "all" and self.gluon_slower)
+                    or not gluon.runs_on(inputs[0].device)
                     or not gluon.usable(self.region, inputs))
 
     @functools.cached_property
