@@ -50,6 +50,17 @@ def register_backend(name: str, fn) -> None:
         _register(compiler_fn=fn, name=name)
 
 
+def first_argument_alias(target) -> str:
+    """How an ATen op's result relates to its first argument, from its schema (``OpOverload._schema``:
+    private, stable across 2.11-2.13): ``"write"`` (an in-place op: ``fill_``, ``mul_``),
+    ``"view"`` (the result aliases it: ``slice``, ``view``, ``transpose``) or ``""``."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.arguments:
+        return ""
+    info = schema.arguments[0].alias_info
+    return "" if info is None else "write" if info.is_write else "view"
+
+
 def sets_grad_mode(node) -> bool:
     """A Dynamo graph node that switches grad mode (``torch.enable_grad()`` inside the program)."""
     import torch

@@ -7,30 +7,40 @@ with the Gluon-only parts emulated:
 
 * layouts are ignored (``convert_layout`` is the identity);
 * shared memory is a NumPy array, NaN-filled (a read before a write shows);
-* ``warpgroup_mma`` multiplies in fp32 at issue (bf16 / fp16 operands, fp32 accumulator), and
-  ``warpgroup_mma_wait`` returns its dependencies;
-* a TMA copy reads its descriptor's [rows, cols] block (zeros out of bounds) at issue and
-  completes its barrier's transaction bytes;
+* a TMA copy reads its descriptor's [rows, cols] block (zeros out of bounds) at issue, turns its
+  destination NaN, and lands the data a moment later on a thread of its own before completing
+  its barrier's transaction bytes — so reading a buffer without waiting for its barrier, or
+  while the next copy into it is in flight, reads NaN (mostly: it is a race, as on the GPU);
+* an async ``warpgroup_mma`` (fp32 product of bf16 / fp16 operands) reads its operands when a
+  ``warpgroup_mma_wait`` retires it (groups retire in issue order), so a buffer released before
+  that wait can be overwritten (NaN) under it; using its result before the wait fails;
 * mbarriers count arrivals and transaction bytes per phase (``expect`` is one arrival plus its
   bytes, as ``mbarrier.arrive.expect_tx``); ``wait(bar, phase)`` blocks while the barrier's
   current phase has ``phase``'s parity;
 * ``warp_specialize`` runs every partition in a thread of its own, so the loader and the compute
   partitions really wait on each other: a wrong phase or count hangs, which the emulator reports
-  after ``TIMEOUT`` seconds instead of hanging the test.
+  after ``TIMEOUT`` seconds instead of hanging the test;
+* the acquire protocol is checked whatever the timing: every read of shared memory a TMA copy
+  wrote must come from a partition that has waited for the barrier phase that copy completes,
+  and no copy may be issued into memory an async wgmma still reads (``ProtocolError``).
 
-What it cannot see: races inside a phase (an async read of shared memory overwritten before its
-wait: here every read happens at issue), layouts, register pressure, and the GPU's rounding of
-fp32 -> bf16 (the interpreter truncates). Private Triton imports (the interpreter's tensors) are
-confined to this test module.
+What it cannot see: value races it does not happen to hit (the threads' interleaving is the
+OS's), fences and thread barriers (no-ops here), reordering within a partition (each runs as one
+thread), layouts, register pressure, shared-memory capacity, TMA descriptor limits, the
+``multiple_of`` hints, and the GPU's rounding of fp32 -> bf16 (the interpreter truncates; the
+tests use fp16). Private Triton imports (the interpreter's tensors) are confined to this test
+module.
 """
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import random
 import re
 import sys
 import tempfile
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -41,6 +51,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime import interpreter as interp
 
 TIMEOUT = 60.0      # seconds a barrier wait may block before the emulator calls it a hang
+COPY_DELAY = 2e-3   # a TMA copy lands up to this many seconds after its issue
+ARRIVE_YIELD = 2e-4     # seconds a partition pauses after an arrive
 _COND = threading.Condition()   # guards every barrier (the programs of a grid run one at a time)
 
 
@@ -114,14 +126,58 @@ class Shared:
         return Shared(self.data.transpose([scalar(o) for o in order]), self.dtype)
 
     def load(self, layout=None) -> real_tl.tensor:
+        check_acquired(self)
         return block(self.data.copy(), self.dtype)
 
     def store(self, value: real_tl.tensor) -> None:
         assert value.dtype == self.dtype, (value.dtype, self.dtype)
-        self.data[...] = np.asarray(value.handle.data).reshape(self.data.shape)
+        assert list(np.shape(value.handle.data)) == self.shape, (np.shape(value.handle.data), self.shape)
+        with _COND:
+            _COPIED[:] = [c for c in _COPIED if not overlap(c[:2], self.bounds())]
+        self.data[...] = value.handle.data
 
     def operand(self) -> np.ndarray:
+        check_acquired(self)
         return to_f32(self.data, self.dtype)
+
+    def bounds(self) -> tuple[int, int]:
+        """The bytes this view spans: [low, high) addresses."""
+        lo = hi = self.data.__array_interface__["data"][0]
+        for n, st in zip(self.data.shape, self.data.strides):
+            lo, hi = lo + min(0, (n - 1) * st), hi + max(0, (n - 1) * st)
+        return lo, hi + self.data.itemsize
+
+
+# -- the acquire protocol, checked at every read of shared memory ----------------------------------
+# A TMA copy's data may be read only by a partition that has waited for the barrier phase the copy
+# completes (``_COPIED``: each copied range, its barrier and that phase; ``_SEEN``: the phases each
+# partition has waited for), and a copy may not be issued into a range an async wgmma still reads
+# (``_READING``). Both are checked when they happen, whatever the threads' timing.
+_COPIED: list[tuple[int, int, object, int]] = []
+_READING: dict[int, list[tuple[int, int]]] = {}
+_SEEN = threading.local()
+
+
+class ProtocolError(RuntimeError):
+    """Shared memory read before its copy was waited for, or overwritten while a wgmma reads it."""
+
+
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def seen() -> dict:
+    """The barrier phases this partition has waited for, by barrier."""
+    return _SEEN.__dict__.setdefault("phases", {})
+
+
+def check_acquired(s: Shared) -> None:
+    span = s.bounds()
+    with _COND:
+        for lo, hi, b, phase in _COPIED:
+            if overlap((lo, hi), span) and seen().get(id(b), 0) < phase:
+                raise ProtocolError(f"a partition reads shared memory that a TMA copy writes without having "
+                                    f"waited for its barrier's phase {phase} (it has seen {seen().get(id(b), 0)})")
 
 
 class Barrier:
@@ -201,6 +257,8 @@ class mbarrier:  # noqa: N801 — the generated code's module name
             return
         with _COND:
             bar.one().arrive(scalar(count))
+        time.sleep(ARRIVE_YIELD)    # let a partition this arrival wakes run first (a released
+        # buffer's next copy, issued before this partition goes on, shows a read after the release)
 
     @staticmethod
     def wait(bar: Barriers, phase, pred=True, deps=()) -> None:
@@ -211,6 +269,9 @@ class mbarrier:  # noqa: N801 — the generated code's module name
             if not _COND.wait_for(lambda: b.phase % 2 != parity, TIMEOUT):
                 raise Hang(f"a wait for phase parity {parity} never completed (phases done: {b.phase}, "
                            f"arrivals pending: {b.pending}, bytes pending: {b.tx})")
+            # the phase this wait observed: the last completed one of ``phase``'s parity
+            done = b.phase if (b.phase - 1) % 2 == parity else b.phase - 1
+            seen()[id(b)] = max(seen().get(id(b), 0), done)
 
     @staticmethod
     def invalidate(bar: Barriers) -> None:
@@ -242,35 +303,93 @@ class Descriptor:
         return out
 
 
+_COPIES: list[threading.Thread] = []    # TMA copies in flight
+
+
+def poison(s: Shared) -> None:
+    s.data[...] = 0x7FC0 if s.dtype == real_tl.bfloat16 else np.nan
+
+
 class tma:  # noqa: N801
     @staticmethod
     def async_copy_global_to_shared(desc: Descriptor, coord, barrier: Barriers, result: Shared, pred=True) -> None:
+        """The destination turns NaN at issue and the data lands a moment later, on a thread of
+        its own, just before the barrier's bytes complete: a partition that reads the buffer
+        without waiting for the barrier, or still reads it when the next copy is issued into
+        it, reads NaN."""
         if not bool(pred):
             return
-        result.data[...] = desc.read(coord)
-        b = barrier.one()
+        data, b = desc.read(coord), barrier.one()
+        span = result.bounds()
         with _COND:
-            b.tx -= desc.block_type.nbytes
-            assert b.tx >= 0, "a copy completed more bytes than its barrier expected"
-            b.complete_if_done()
+            if any(overlap(r, span) for reads in _READING.values() for r in reads):
+                raise ProtocolError("a TMA copy is issued into shared memory an async wgmma still reads")
+            _COPIED[:] = [c for c in _COPIED if not overlap(c[:2], span)]
+            _COPIED.append((*span, b, b.phase + 1))     # the phase its bytes belong to
+        poison(result)
+
+        def land():
+            time.sleep(random.uniform(0, COPY_DELAY))
+            result.data[...] = data
+            with _COND:
+                b.tx -= desc.block_type.nbytes
+                assert b.tx >= 0, "a copy completed more bytes than its barrier expected"
+                b.complete_if_done()
+        t = threading.Thread(target=land, daemon=True)
+        _COPIES.append(t)
+        t.start()
 
     @staticmethod
     def store_wait(pendings=0) -> None:
         pass
 
 
+class InFlight:
+    """An async ``warpgroup_mma``: its operands are read when a ``warpgroup_mma_wait`` retires it
+    (groups retire in issue order), as the hardware may read shared memory until then — a
+    buffer released or overwritten before the wait shows as NaN. Using it before its wait fails."""
+
+    def __init__(self, a, b, acc, use_acc):
+        self.a, self.b, self.acc, self.use_acc, self.value = a, b, acc, use_acc, None
+        with _COND:
+            _READING[id(self)] = [x.bounds() for x in (a, b) if isinstance(x, Shared)]
+
+    def retire(self) -> real_tl.tensor:
+        if self.value is None:
+            def operand(x):
+                return x.operand() if isinstance(x, Shared) else to_f32(np.asarray(x.handle.data), x.dtype)
+            out = np.matmul(operand(self.a), operand(self.b)).astype(np.float32)
+            if bool(self.use_acc):
+                acc = self.acc.retire() if isinstance(self.acc, InFlight) else self.acc
+                out = out + np.asarray(acc.handle.data, dtype=np.float32)
+            self.value = block(out, real_tl.float32)
+            with _COND:
+                _READING.pop(id(self), None)
+        return self.value
+
+
+_GROUPS = threading.local()     # each partition's async groups in flight, in issue order
+
+
 def warpgroup_mma(a, b, acc, *, use_acc=True, precision=None, max_num_imprecise_acc=None, is_async=False):
-    def operand(x):
-        return x.operand() if isinstance(x, Shared) else to_f32(np.asarray(x.handle.data), x.dtype)
-    out = np.matmul(operand(a), operand(b)).astype(np.float32)
-    if bool(use_acc):
-        out = out + np.asarray(acc.handle.data, dtype=np.float32)
-    return block(out, real_tl.float32)
+    op = InFlight(a, b, acc, use_acc)
+    if not is_async:
+        return op.retire()
+    _GROUPS.__dict__.setdefault("queue", []).append(op)
+    return op
 
 
 def warpgroup_mma_wait(num_outstanding=0, deps=None):
-    deps = tuple(deps or ())
-    return deps[0] if len(deps) == 1 else deps
+    queue = _GROUPS.__dict__.setdefault("queue", [])
+    while len(queue) > scalar(num_outstanding):
+        queue.pop(0).retire()
+    out = []
+    for d in tuple(deps or ()):
+        if isinstance(d, InFlight):
+            assert d.value is not None, "a warpgroup_mma result used before the wait that retires it"
+            d = d.value
+        out.append(d)
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def fence_async_shared(cluster=False) -> None:
@@ -288,16 +407,22 @@ def warp_specialize(functions_and_args, worker_num_warps=None, worker_num_regs=N
             errors.append(e)
             with _COND:
                 _COND.notify_all()
+    with _COND:     # a new program: its own buffers and barriers
+        _COPIED.clear()
+        _READING.clear()
     threads = [threading.Thread(target=run, args=(fn, tuple(args)), daemon=True) for fn, args in functions_and_args]
     for t in threads:
         t.start()
     for t in threads:
         t.join(TIMEOUT * 2)
+    while _COPIES:
+        _COPIES.pop().join(TIMEOUT)
     if any(t.is_alive() for t in threads):
         raise Hang("a partition did not finish")
-    hangs = [e for e in errors if isinstance(e, Hang) or isinstance(e.__cause__, Hang)]
+    # a partition that failed leaves the others waiting for it: its error is the cause
+    causes = [e for e in errors if not (isinstance(e, Hang) or isinstance(e.__cause__, Hang))]
     if errors:
-        raise (hangs or errors)[0]
+        raise (causes or errors)[0]
 
 
 # -- the generated code's ``tl``: Triton's language (the interpreter's builtins) plus Gluon's extras
@@ -366,6 +491,9 @@ class Kernel:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         self.fn, self.source = getattr(module, name), source
+        for fn in list(vars(module).values()):      # the interpreter rewrites each function's AST at its first
+            if isinstance(fn, interp.InterpretedFunction):      # call: here, not in the partitions'
+                fn.rewrite()                                    # threads (CPython's ast is not thread-safe)
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
@@ -376,15 +504,15 @@ class Kernel:
 
 
 # -- running a region's Gluon kernels next to its Triton kernels ------------------------------------
-def forward(c, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(c, xs: list[torch.Tensor], edit=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The output and row statistics of region ``c``'s Gluon forward, emulated, on the op's inputs
-    ``xs`` (launched as the runtime launches it: ``runtime.gluon.launch``)."""
+    ``xs`` (launched as the runtime launches it: ``runtime.gluon.launch``); ``edit``: as ``Kernel``'s."""
     from flashlight.runtime import gluon as rg
     from flashlight.runtime import op as rt
     from flashlight.runtime.buffers import unwritten
     outs = c.new_outputs(xs[0])
     stats = unwritten(xs[0].new_empty(c.rowstats_shape, dtype=torch.float32))
-    rg.launch(Kernel(rt.compile_gluon(c)), c.region, rt.kernel_args(c.region, c.stats, xs, outs, stats, {}), xs, True)
+    rg.launch(Kernel(rt.compile_gluon(c), edit), c.region, rt.kernel_args(c.region, c.stats, xs, outs, stats, {}), xs, True)
     return outs[0], stats
 
 

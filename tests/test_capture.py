@@ -148,3 +148,26 @@ def test_single_query_or_key_with_gqa(m, n):
         k, v = k[:, :, None].expand(2, 1, 4, n, 16).reshape(2, 4, n, 16), v.repeat_interleave(4, dim=1)
         return torch.softmax(q @ k.mT / 4, -1) @ v
     check_fused(attn, q, k, v)
+
+
+def test_a_mask_written_through_a_view_is_read_as_written():
+    """``keep = ones(M, N).tril(); keep[:7] = False``: the write goes through a view of the mask,
+    which its own expression (the causal predicate) does not show, so the kernel reads the mask
+    tensor as the program left it (rows 0-6 fully masked with a finite fill: eager averages V
+    there). Same for scores updated through a view (``s[..., :3] = -1e4``)."""
+    def masked(q, k, v):
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        keep[:7] = False
+        return torch.softmax((q @ k.mT).masked_fill(~keep, torch.finfo(q.dtype).min), dim=-1) @ v
+
+    def scores_view(q, k, v):
+        s = q @ k.mT * q.shape[-1] ** -0.5
+        s[..., :3] = -1e4
+        return torch.softmax(s, dim=-1) @ v
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    for fn in (masked, scores_view):
+        torch.compiler.reset()
+        out = torch.compile(fn, backend="flashlight")(q, k, v)
+        assert rel_error(out, reference(fn, q, k, v)) < 1e-4, fn.__name__
+    report = flashlight.explain(masked, q, k, v)
+    assert len(report.regions) == 1 and "tril" in report.regions[0].ir     # the mask, loaded

@@ -345,3 +345,20 @@ def test_snapshot_of_the_gluon_kernels(region, kernel):
     if os.environ.get("UPDATE_SNAPSHOTS") == "1" or not path.exists():
         path.write_text(src)
     assert src == path.read_text(), "generated source changed: review, then UPDATE_SNAPSHOTS=1"
+
+
+def test_a_permuted_output_needs_strides_the_epilogue_can_assert():
+    """The Gluon epilogue asserts that every output stride but the last is a multiple of 16
+    (its partition's arguments lost Triton's specialisation): a transposed output [B, H, D, M]
+    has stride M, so M = 200 keeps the Triton forward and M = 256 has the Gluon one."""
+    def transposed(q, k, v):
+        return (torch.softmax(q @ k.mT * 0.125, -1) @ v).transpose(-1, -2)
+    for m, why in ((200, "not a multiple of 16"), (256, "")):
+        rt.REGISTRY.clear()
+        torch.compiler.reset()
+        with torch.no_grad():
+            torch.compile(transposed, backend="flashlight")(*(torch.randn(1, 2, m, 64, dtype=torch.bfloat16)
+                                                               for _ in range(3)))
+        (c,) = rt.REGISTRY.values()
+        assert (why in gluon_support(c.region)) if why else gluon_support(c.region) == ""
+    rt.REGISTRY.clear()

@@ -3,6 +3,8 @@ the forward, dK/dV and dQ kernels of each region that has them, launched with th
 arguments and descriptors (``runtime.gluon.launch`` / ``launch_tile``) on fp16 inputs, against the
 Triton kernels on the same inputs and row statistics, and against float64. Every partition runs
 in a thread of its own, so a wrong barrier phase or count hangs here too (reported, not hung)."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -98,16 +100,45 @@ def reference_grads(c, xs, dout):
     return torch.autograd.grad(out, [leaves[i] for i in floats], to64(dout))
 
 
-def test_a_wrong_barrier_protocol_hangs_and_is_reported(traced, monkeypatch):
-    """The emulator's partitions really wait on each other: a compute partition that never
-    releases its ring slots (no arrive on the empty barriers) stalls the loader once the ring
-    has wrapped, reported as a hang."""
-    monkeypatch.setattr(emu, "TIMEOUT", 1.0)
-    c, xs, _ = traced("vanilla", 64, 256, {})      # dQ: 4 key blocks through a ring of 2
+def drop(line: str):
+    """An edit of a kernel's source: every line starting with ``line`` (indented) becomes ``pass``."""
+    return lambda s: re.sub(r"^(\s*)" + re.escape(line) + r".*$", r"\1pass", s, flags=re.M)
+
+
+def swap(first: str, second: str):
+    """An edit of a kernel's source: the adjacent lines ``first`` and ``second`` change places."""
+    def edit(s):
+        assert f"{first}\n{second}" in s
+        return s.replace(f"{first}\n{second}", f"{second}\n{first}")
+    return edit
+
+
+WAIT = "        dv0, dk0, pb, dsb = warpgroup_mma_wait(0, deps=(dv0, dk0, pb, dsb))"
+BROKEN = {   # (kernel, what is broken, edit, what the emulator reports)
+    "no slot release": ("dq", drop("mbarrier.arrive(k_empty.index(st)"), "never completed|did not finish"),
+    "no wait for K": ("fwd", drop("mbarrier.wait(k_ready"), "reads shared memory .* without having waited"),
+    "no wait for own tiles": ("dq", drop("mbarrier.wait(own_bar"), "reads shared memory .* without having waited"),
+    "slot released before its products": ("dkdv", swap(WAIT, "        mbarrier.arrive(q_empty.index(st), count=1)"),
+                                          "issued into shared memory an async wgmma still reads"),
+}
+
+
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_a_broken_barrier_protocol_is_reported(traced, monkeypatch, broken):
+    """The emulator checks the kernels' protocol whatever the threads' timing: a partition that
+    never releases its ring slots stalls the loader once the ring has wrapped (a hang, reported);
+    one that reads a TMA copy's buffer without waiting for the copy's barrier, or releases a
+    slot while its products still read it (the next copy into it is then issued under them),
+    fails at that read or copy."""
+    monkeypatch.setattr(emu, "TIMEOUT", 2.0)
+    kernel, edit, reported = BROKEN[broken]
+    c, xs, _ = traced("causal", 64, 512, {})      # 4 blocks through rings of 2
     out, stats = c.run(xs)
-    with pytest.raises(Exception, match="never completed|did not finish"):
-        emu.tile_gradients(c, xs, out, stats, torch.ones_like(out), kernels=("dq", ), edit=lambda s: s.replace(
-            "mbarrier.arrive(k_empty.index(st), count=1)", "pass"))
+    with pytest.raises(Exception, match=reported):
+        if kernel == "fwd":
+            emu.forward(c, xs, edit)
+        else:
+            emu.tile_gradients(c, xs, out, stats, torch.ones_like(out), kernels=(kernel, ), edit=edit)
 
 
 def test_emulated_shared_memory_starts_nan():
@@ -150,3 +181,16 @@ def test_the_gluon_kernels_take_over_through_torch_compile_and_autograd(monkeypa
     want = [want, *torch.autograd.grad(want, ref, to64(dout))]
     for triton, gluon, w in zip(*steps, want):
         assert rel_error(gluon, w) < 2e-3 and rel_error(gluon, triton.double()) < 1e-3
+
+
+@pytest.mark.parametrize("i", [3, 34, 79])
+def test_random_programs_on_the_gluon_kernels(i):
+    """Three programs of the Gluon fuzz (tests/gluon_fuzz.py, seed 3; drawn, not picked for being
+    easy) against their Triton kernels: BSHD inputs, a boolean mask tensor, softcap and a
+    hand-written softmax; GQA by expand with the scale in Q (moved onto the scores, so Q is
+    copied as rows), a prefix, softcap and a gate; the document mask with a -1e9 fill, ALiBi,
+    softcap and merged heads at D=128."""
+    import gluon_fuzz
+    p = gluon_fuzz.gluon_program(3, i)
+    ok, msg = gluon_fuzz.check(p)
+    assert ok and "fwd" in msg and "grads" in msg, (p.desc, msg)

@@ -90,7 +90,8 @@ def test_split_kv_decoding_with_key_padding():
 
 GLUON_CASES = [("vanilla", 128, {}), ("causal", 64, {}), ("causal", 128, {}), ("sliding_window", 128, {}),
                ("prefix_lm", 64, {}), ("document_mask", 128, {}), ("alibi", 128, {}), ("softcap", 64, {}),
-               ("gqa", 128, {}), ("gated", 64, {}), ("key_padding", 64, {"lengths": [0, 300]})]
+               ("gqa", 128, {}), ("gated", 64, {}), ("key_padding", 64, {"lengths": [0, 300]}),
+               ("merged_heads", 128, {})]
 
 
 @pytest.mark.parametrize("name,D,kw", GLUON_CASES)

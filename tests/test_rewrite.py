@@ -4,7 +4,7 @@ import torch
 from flashlight.ir import Reduction, call, const, dot, red, var, walk
 from flashlight.ir.evaluate import evaluate
 from flashlight.ir.expr import load
-from flashlight.ir.region import Input
+from flashlight.ir.region import Dot, Input
 from flashlight.rewrite import base2, factor_rows, make_online, rewrite, scales, split_offsets
 from test_ir import softmax_region
 
@@ -180,6 +180,26 @@ def test_base2_folds_log2e_into_an_unscaled_product():
     assert r.reductions[0].base2 and r.reductions[0].body == call("mul", dot(0), const(LOG2E))
     q, k, v = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
     assert torch.allclose(evaluate(r, [q, k, v]), torch.softmax(q @ k.mT, -1) @ v, atol=1e-6)
+
+
+def test_a_constant_factor_of_q_moves_onto_the_product():
+    """softmax((0.5 q) k^T) @ v (the scale applied to Q first): the factor moves onto the scores,
+    so Q is read as stored and the softmax folds log2(e) into 0.5, as for s * 0.5; same values.
+    Division by a constant and a factor of K move too."""
+    from flashlight.rewrite import LOG2E, factor_dot_scales
+    scaled = softmax_region()
+    s = dot(0)
+    scaled.reductions = [Reduction("max", s), Reduction("sum", call("exp", call("sub", s, red(0)))),
+                         Reduction("dot", call("exp", call("sub", s, red(0))), scaled.reductions[2].v)]
+    q, k = scaled.dots[0].q, scaled.dots[0].k
+    scaled.dots = [Dot(call("mul", q, const(0.5)), call("div", k, const(4.0)))]
+    r = rewrite(scaled)
+    assert r.dots[0] == Dot(q, k) and r.reductions[0].base2
+    assert r.reductions[0].body == call("mul", dot(0), const(0.5 * 0.25 * LOG2E))
+    assert factor_dot_scales(r) is None
+    q_, k_, v_ = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    want = torch.softmax((0.5 * q_) @ (k_ / 4).mT, -1) @ v_
+    assert torch.allclose(evaluate(r, [q_, k_, v_]), want, atol=1e-6)
 
 
 def test_base2_keeps_a_finite_fill_finite_and_rows_it_fills_uniform():

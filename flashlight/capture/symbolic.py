@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .. import _compat
 from ..ir import Dot, Expr, Reduction, const, dot, free_vars, load, red, refs, substitute, var, walk
 
 aten = torch.ops.aten
@@ -81,6 +82,31 @@ def scalar(value) -> Sym:
 # ---------------------------------------------------------------------------------------------
 # The builder: geometry, leaves, dots and reductions of one candidate region.
 # ---------------------------------------------------------------------------------------------
+def _users_on_first(node: fx.Node):
+    return [u for u in node.users if u.op == "call_function" and u.args and u.args[0] is node]
+
+
+def written_later(node: fx.Node) -> bool:
+    """Is ``node``'s memory written after it is computed in a way its readers see but its own
+    expression does not: an in-place op on a view of it (``keep = ones(M, N).tril();
+    keep[:7] = False``), or an in-place op on it that another reader follows (tracing makes the
+    readers after ``s *= c`` read the in-place op's node, whose rule evaluates the update)?"""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    users = _users_on_first(node)
+    for u in users:
+        if _compat.first_argument_alias(u.target) == "write" and any(order[o] > order[u] for o in node.users):
+            return True
+    views = [u for u in users if _compat.first_argument_alias(u.target) == "view"]
+    while views:
+        for u in _users_on_first(views.pop()):
+            alias = _compat.first_argument_alias(u.target)
+            if alias == "write":
+                return True
+            if alias == "view":
+                views.append(u)
+    return False
+
+
 class Builder:
     def __init__(self, batch: tuple[int, ...], M: int, N: int, DV: int):
         self.batch, self.M, self.N, self.DV = batch, M, N, DV
@@ -124,6 +150,9 @@ class Builder:
     def _build(self, node: fx.Node) -> Sym:
         if meta(node) is None:
             raise Unsupported(f"{node.name} is not a tensor", node)
+        if written_later(node):     # its expression is not what its readers see: load it instead
+            self.decline(node, "written in place after it is computed (e.g. through a view)")
+            return self.leaf(node)
         key = getattr(node.target, "overloadpacket", node.target)
         rule = RULES.get(key) if node.op == "call_function" else None
         s = rule(self, node, *node.args, **node.kwargs) if rule else None

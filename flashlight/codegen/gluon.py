@@ -23,6 +23,8 @@ at D=128 1.28x faster than the Triton kernel and 1.05x cuDNN's (docs/notes.md, s
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..ir import Region, const, free_vars, refs, substitute, walk
@@ -100,6 +102,9 @@ def gluon_support(region: Region) -> str:
         return f"Q in {q_dtype} against K in {k_dtype} (the Triton kernel keeps Q's precision)"
     if 2 not in refs(r.out, "red"):
         return "the output is not built from the product"
+    shape = r.result_shape      # the runtime's contiguous output, whose strides the epilogue asserts
+    if any(math.prod(shape[d + 1:]) % 16 for d in range(len(shape) - 1)):
+        return f"an output stride of {tuple(shape)} is not a multiple of 16 elements"
     for e in (mx.body, sm.body, r.out, r.dots[0].q):
         bad = {x.op for x in walk(e)} - GLUON_OPS
         if bad:
@@ -383,8 +388,8 @@ class GluonWriter(KernelWriter):
         epi = Block()
         cols = rowstat_columns(r)[0]
         nd = len(r.result_shape)
-        # the output is the runtime's own contiguous [*batch, M, DV] tensor, which the partition's
-        # arguments no longer say: its last stride is 1 and the others multiples of DV
+        # the output is the runtime's own contiguous tensor, which the partition's arguments no
+        # longer say: its last stride is 1 and the others multiples of 16 (gluon_support checks)
         epi.lines += [f"out_s{nd - 1} = 1"] + [f"out_s{d} = tl.multiple_of(out_s{d}, 16)" for d in range(nd - 1)]
         epi.lines += [
             "m_safe = tl.where(m_i == float(\"-inf\"), 0.0, m_i)",

@@ -24,7 +24,7 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from ..ir import Expr, Region, call, const, free_vars, red, refs, substitute, var, verify, walk
+from ..ir import Dot, Expr, Region, call, const, dot, free_vars, red, refs, substitute, var, verify, walk
 from ..ir.expr import children, simplify
 
 
@@ -386,7 +386,49 @@ def float_positions(region: Region) -> Region | None:
     return None if new == region else new
 
 
+def _constant_factor(e: Expr) -> tuple[Expr, float] | None:
+    """(x, c) when ``e`` is x * c, c * x or x / c for a nonzero float constant c, else None."""
+    if e.op == "mul":
+        for x, c in (e.args, e.args[::-1]):
+            if c.op == "const" and c.kind == "f" and c.args[0]:
+                return x, c.args[0]
+    if e.op == "div" and e.args[1].op == "const" and e.args[1].kind == "f" and e.args[1].args[0]:
+        return e.args[0], 1.0 / e.args[1].args[0]
+    return None
+
+
+def _strip_factors(e: Expr) -> tuple[Expr, float]:
+    """``e`` without its constant factors, and their product."""
+    c = 1.0
+    while (found := _constant_factor(e)) is not None:
+        e, c = found[0], c * found[1]
+    return e, c
+
+
+def factor_dot_scales(region: Region) -> Region | None:
+    """Constant factors of a product's operands (``q = q * scale`` before ``q @ k^T``: timm's
+    spelling) move onto the product: (a q)(b k)^T = ab (q k^T). The operands are then read as
+    they are stored (the Gluon kernels copy Q and K as rows), and the factor joins the score
+    arithmetic, where base 2 folds log2(e) into it. The scores change only by the rounding of
+    a q to the input's dtype, which eager does and the kernel no longer does."""
+    for j, d in enumerate(region.dots):
+        (q, a), (k, b) = _strip_factors(d.q), _strip_factors(d.k)
+        if a == b == 1.0:
+            continue
+        dots = list(region.dots)
+        dots[j] = Dot(q, k)
+        scaled = call("mul", dot(j), const(a * b))
+
+        def conv(e: Expr | None) -> Expr | None:
+            return None if e is None else substitute(e, lambda y: scaled if y == dot(j) else None)
+        reds = [replace(r, body=conv(r.body), extra=conv(r.extra)) for r in region.reductions]
+        return replace(region, dots=dots, reductions=reds, out=conv(region.out),
+                       rows=[replace(x, expr=conv(x.expr)) for x in region.rows])
+    return None
+
+
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
+    ("dot-scales", factor_dot_scales),
     ("split-concat", split_concat),
     ("factor-rows", factor_rows),
     ("split-offsets", split_offsets),
