@@ -87,24 +87,22 @@ def _users_on_first(node: fx.Node):
 
 
 def written_later(node: fx.Node) -> bool:
-    """Is ``node``'s memory written after it is computed in a way its readers see but its own
-    expression does not: an in-place op on a view of it (``keep = ones(M, N).tril();
-    keep[:7] = False``), or an in-place op on it that another reader follows (tracing makes the
-    readers after ``s *= c`` read the in-place op's node, whose rule evaluates the update)?"""
+    """Is ``node``'s memory written in place and then read through ``node`` or a view of it, so
+    that what its readers see is not its own expression? ``keep = ones(M, N).tril();
+    keep[:7] = False`` writes through a view and then reads ``keep``. An update the program
+    goes on through (``s *= c``, also on a view of a product: tracing makes the later readers
+    read the in-place op's node, whose rule evaluates the update) is not such a write."""
+    aliases, todo = [node], [node]
+    while todo:         # node and its views (schema: the result aliases the first argument)
+        views = [u for u in _users_on_first(todo.pop()) if _compat.first_argument_alias(u.target) == "view"]
+        aliases += views
+        todo += views
+    writes = [u for a in aliases for u in _users_on_first(a) if _compat.first_argument_alias(u.target) == "write"]
+    if not writes:
+        return False
     order = {n: i for i, n in enumerate(node.graph.nodes)}
-    users = _users_on_first(node)
-    for u in users:
-        if _compat.first_argument_alias(u.target) == "write" and any(order[o] > order[u] for o in node.users):
-            return True
-    views = [u for u in users if _compat.first_argument_alias(u.target) == "view"]
-    while views:
-        for u in _users_on_first(views.pop()):
-            alias = _compat.first_argument_alias(u.target)
-            if alias == "write":
-                return True
-            if alias == "view":
-                views.append(u)
-    return False
+    first = min(order[w] for w in writes)
+    return any(order[u] > first and u not in writes for a in aliases for u in a.users)
 
 
 class Builder:

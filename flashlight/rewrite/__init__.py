@@ -271,8 +271,9 @@ def _fold_all(e: Expr) -> Expr | None:
 
 FOLD_LOG2E: dict[str, Callable[[Expr], Expr | None]] = {
     "const": lambda e: _scaled_const(e.args[0]) if e.kind == "f" else None,
-    # a product with the scale already in Q (``q = q * scale``, timm's spelling) or none: one
-    # multiply per score, which tl.exp pays anyway; |s| > FLT_MAX / log2(e) is no score
+    # a product with no constant factor (none in the program; one on Q or K moved onto the
+    # product by factor_dot_scales is folded there): one multiply per score, which tl.exp pays
+    # anyway. It overflows only where |s| > FLT_MAX / log2(e) ~ 2.4e38, which no score reaches
     "dot": lambda e: call("mul", e, const(LOG2E)),
     "mul": _fold_mul,
     "div": _fold_div,
