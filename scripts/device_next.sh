@@ -1,4 +1,7 @@
-# The next device calls (planned in session 12, CPU only; see docs/notes.md "Session 12").
+# The next device calls (planned in session 12, CPU only; see docs/notes.md "Session 12"). Session 13
+# (CPU only again) checked the Gluon tile kernels' numerics and barrier protocol in an emulator
+# (tests/test_gluon_emulated.py: all pass), so part A's smoke run is expected to pass; what only the
+# GPU can say is layouts, registers, races the emulator does not hit, and speed.
 # Run one part per `run` call, from the repository root: `bash scripts/device_next.sh A`.
 #   A (~8 min): the Gluon tile kernels' first GPU run, one kernel at a time (a wrong barrier
 #     phase hangs: the timeouts bound it), the GPU tests, and where the backward's time goes
