@@ -1,20 +1,25 @@
 """Random programs (``flashlight.fuzz``'s grammar) at sizes the Gluon kernels take — whole blocks,
 head dims 64 and 128, fp16 — with every region that has Gluon kernels run twice: its emulated
 Gluon forward, dK/dV and dQ kernels (tests/gluon_emulator.py) against its Triton kernels on the
-same inputs, row statistics and output gradient. On a machine without a GPU:
+same inputs, row statistics and output gradient (Triton's interpreter and NaN-filled buffers
+are set here unless the environment says otherwise):
 
-    TRITON_INTERPRET=1 FLASHLIGHT_POISON=1 python tests/gluon_fuzz.py --count 40 --seed 1
+    python tests/gluon_fuzz.py --count 40 --seed 1
 
 (tests/test_gluon_emulated.py runs a few of these.)"""
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import warnings
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")      # the Triton kernels it compares with, on the CPU
+os.environ.setdefault("FLASHLIGHT_POISON", "1")     # buffers start NaN: an unwritten element fails
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gluon_emulator as emu  # noqa: E402
