@@ -504,6 +504,26 @@ class Kernel:
 
 
 # -- running a region's Gluon kernels next to its Triton kernels ------------------------------------
+def traced_regions(fn, *args) -> dict:
+    """Compile and run ``fn(*args)`` with flashlight (no grad) and return each region's inputs
+    as the op received them at its first call, by region key (``runtime.op.REGISTRY``)."""
+    from flashlight.runtime import op as rt
+    seen, run_all = {}, rt.CompiledRegion.run_all
+
+    def recording(self, inputs, *a, **kw):
+        seen.setdefault(self.key, [x.detach() for x in inputs])
+        return run_all(self, inputs, *a, **kw)
+    rt.REGISTRY.clear()
+    torch.compiler.reset()
+    rt.CompiledRegion.run_all = recording       # this tool's own probe: each region's inputs
+    try:
+        with torch.no_grad():
+            torch.compile(fn, backend="flashlight", dynamic=False)(*args)
+    finally:
+        rt.CompiledRegion.run_all = run_all
+    return seen
+
+
 def forward(c, xs: list[torch.Tensor], edit=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The output and row statistics of region ``c``'s Gluon forward, emulated, on the op's inputs
     ``xs`` (launched as the runtime launches it: ``runtime.gluon.launch``); ``edit``: as ``Kernel``'s."""

@@ -58,19 +58,7 @@ def scaled_error(got: torch.Tensor, want: torch.Tensor, scale: float) -> float:
 def check(p: Program) -> tuple[bool, str]:
     """Run the program once (Triton kernels) recording each region's inputs, then compare each
     region's Gluon kernels with its Triton ones. Returns (ok, message)."""
-    rt.REGISTRY.clear()
-    torch.compiler.reset()
-    seen, run_all = {}, rt.CompiledRegion.run_all
-
-    def recording(self, inputs, *args, **kwargs):
-        seen.setdefault(self.key, [x.detach() for x in inputs])
-        return run_all(self, inputs, *args, **kwargs)
-    rt.CompiledRegion.run_all = recording       # this tool's own probe: each region's inputs
-    try:
-        with torch.no_grad():
-            torch.compile(p.fn, backend="flashlight", dynamic=False)(*p.args)
-    finally:
-        rt.CompiledRegion.run_all = run_all
+    seen = emu.traced_regions(p.fn, *p.args)
     notes, ok = [], True
     for key, xs in seen.items():
         c = rt.REGISTRY[key]

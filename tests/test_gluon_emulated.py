@@ -32,26 +32,14 @@ CASES = [("vanilla", 64, 256, {}), ("causal", 64, 384, {}), ("causal", 128, 256,
 IDS = [f"{name}-d{d}-n{n}" for name, d, n, _ in CASES]
 
 
-
-
 @pytest.fixture
-def traced(monkeypatch):
+def traced():
     """The region of a variant on fp16 CPU inputs (B=1 H=2) and the op's inputs, in its order."""
     def get(name: str, d: int, n: int, extra: dict):
-        rt.REGISTRY.clear()
-        seen, run_all = {}, rt.CompiledRegion.run_all
-
-        def recording(self, inputs, *args, **kwargs):
-            seen.setdefault("inputs", [x.detach() for x in inputs])
-            return run_all(self, inputs, *args, **kwargs)
-        monkeypatch.setattr(rt.CompiledRegion, "run_all", recording)
         torch.manual_seed(0)
         inputs = VARIANTS[name].make_inputs(**{"B": 1, "H": 2, "M": n, "D": d, "dtype": torch.float16, **extra})
-        with torch.no_grad():
-            torch.compile(VARIANTS[name].attention, backend="flashlight", dynamic=False)(*inputs)
-        monkeypatch.setattr(rt.CompiledRegion, "run_all", run_all)
-        (c,) = rt.REGISTRY.values()
-        return c, seen["inputs"], inputs
+        ((key, xs),) = emu.traced_regions(VARIANTS[name].attention, *inputs).items()
+        return rt.REGISTRY[key], xs, inputs
     yield get
     rt.REGISTRY.clear()
 

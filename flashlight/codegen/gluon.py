@@ -63,6 +63,12 @@ GCTX_O = Ctx("o", vars={"m": "offs_m[:, None]", "dv": "offs_dv[None, :]"},
 HELPERS = TRITON_HELPERS.replace("@triton.jit", "@gluon.jit")      # fl_floordiv, fl_mod
 
 
+def wgmma_layout(name: str, n: str) -> str:
+    """The line declaring ``name`` the layout of a warpgroup's [64, n] wgmma accumulator."""
+    return (f"{name}: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
+            f"instr_shape=[16, {n}, 16])")
+
+
 def bulk_operand(e, n: str, d: str) -> bool:
     """Is ``e`` a bare load whose last two indices are the vars ``n`` and ``d`` and whose others
     depend on batch indices only (one TMA copy per block)?"""
@@ -335,10 +341,8 @@ class GluonWriter(KernelWriter):
             "BLOCK_N: tl.constexpr = k_smem.type.shape[1]",
             "DK: tl.constexpr = k_smem.type.shape[2]",
             "DV: tl.constexpr = v_smem.type.shape[2]",
-            "S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, BLOCK_N, 16])",
-            "O_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, DV, 16])",
+            wgmma_layout("S_LAYOUT", "BLOCK_N"),
+            wgmma_layout("O_LAYOUT", "DV"),
             "P_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)",
             f"m0 = pid_m * {BLOCK_M} + W * {WG_ROWS}",
             "q = q_smem.index(W)  # stored by the kernel before the fork",

@@ -39,7 +39,7 @@ from ..sparsity import TRUE, full_body, useful
 from .backward import DKDVWriter, DQWriter, backward_support, const_factor, dot_grads
 from .emit import Block, CodegenError, Ctx
 from .gluon import (DTYPES, SCAN_LAYOUTS, bulk_operand, check_layouts, descriptor_row, gluon_module, gluon_support,
-                    key_bounds, scan_arange)
+                    key_bounds, scan_arange, wgmma_layout)
 from .gradients import grad_plan
 from .kernel import batch_index
 
@@ -311,12 +311,9 @@ class GluonDKDVWriter(GluonTiles, DKDVWriter):
             "BLOCK_M: tl.constexpr = q_smem.type.shape[1]",
             "DK: tl.constexpr = q_smem.type.shape[2]",
             "DV: tl.constexpr = do_smem.type.shape[2]",
-            "S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, BLOCK_M, 16])",
-            "DK_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, DK, 16])",
-            "DV_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, DV, 16])",
+            wgmma_layout("S_LAYOUT", "BLOCK_M"),
+            wgmma_layout("DK_LAYOUT", "DK"),
+            wgmma_layout("DV_LAYOUT", "DV"),
             "PT_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DV_LAYOUT, k_width=2)",
             "DST_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DK_LAYOUT, k_width=2)",
             f"start_n = pid_n * {2 * WG} + W * {WG}  # this warpgroup's keys",
@@ -395,10 +392,8 @@ class GluonDQWriter(GluonTiles, DQWriter):
             "STAGES: tl.constexpr = k_smem.type.shape[0]",
             "BLOCK_N: tl.constexpr = k_smem.type.shape[1]",
             "DK: tl.constexpr = k_smem.type.shape[2]",
-            "S_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, BLOCK_N, 16])",
-            "DQ_LAYOUT: tl.constexpr = tl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], "
-            "instr_shape=[16, DK, 16])",
+            wgmma_layout("S_LAYOUT", "BLOCK_N"),
+            wgmma_layout("DQ_LAYOUT", "DK"),
             "DS_LAYOUT: tl.constexpr = tl.DotOperandLayout(operand_index=0, parent=DQ_LAYOUT, k_width=2)",
             f"start_m = pid_m * {2 * WG} + W * {WG}  # this warpgroup's queries",
             f"offs_m = start_m + tl.arange(0, {WG}, layout=tl.SliceLayout(1, S_LAYOUT))",
