@@ -645,6 +645,45 @@ def test_the_backward_compiles_from_the_first_forward(monkeypatch, path):
         assert rel_error(g, w) < 1e-3
 
 
+@pytest.mark.parametrize("path", ["as is", "inductor"])
+@pytest.mark.parametrize("trained,kernels", [("y", ["rows"]), ("v", ["rows", "dkdv"]), ("q", ["rows", "dq"]),
+                                             ("qkvy", ["rows", "dkdv", "dq"])])
+def test_the_backward_launches_only_the_kernels_of_needed_gradients(monkeypatch, path, trained, kernels):
+    """A tile kernel none of whose gradients autograd needs is not launched: frozen attention
+    under a trainable epilogue input (``attention(q, k, v) + y``, the ``+ y`` fused into the
+    region) runs the row kernel alone; a trainable V alone, the dK/dV kernel too; Q alone, the
+    dQ kernel. The wanted gradients match float64 either way. Both for a graph that runs as is
+    (``RegionFunction``: ``needs_input_grad``) and for one Inductor compiles around the custom
+    op (``flashlight::region_backward`` takes the list)."""
+    from flashlight.runtime import op
+    op.REGISTRY.clear()
+    torch.compiler.reset()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = causal.make_inputs(B=1, H=2, M=70, D=16)
+    x, w = torch.randn(1, 2, 70, 16, generator=g), torch.randn(16, 16, generator=g) / 4
+    y = x @ w
+    inputs = {"q": q, "k": k, "v": v, "y": w if path == "inductor" else y}
+    for name in trained:
+        inputs[name].requires_grad_()
+    mod = SimpleNamespace(attention={"as is": lambda q, k, v, y: causal.attention(q, k, v) + y,
+                                     "inductor": lambda q, k, v, w: causal.attention(q, k, v) + x.to(w.dtype) @ w}[path])
+    args = list(inputs.values())
+    out = torch.compile(mod.attention, backend="flashlight")(*args)
+    (c,) = op.REGISTRY.values()
+    bk = c.backward_kernels()
+    launched = []
+    bk.rows, bk.dkdv, bk.dq = (Spy(f, launched) for f in (bk.rows, bk.dkdv, bk.dq))
+    dout = torch.randn(out.shape, generator=g)
+    wanted = [t for t in args if t.requires_grad]
+    got = torch.autograd.grad(out, wanted, dout)
+    names = {bk.rows.fn: "rows", bk.dkdv.fn: "dkdv", bk.dq.fn: "dq"}
+    assert [names[fn] for fn, _ in launched] == kernels
+    _, want = grads64(mod, args, dout)
+    want = [wt for wt, t in zip(want, args) if t.requires_grad]
+    for gt, wt in zip(got, want):
+        assert rel_error(gt, wt) < 1e-3
+
+
 def test_a_backward_that_fails_to_generate_fails_the_backward_not_the_forward(monkeypatch):
     """The prefetch generates the backward at the first forward; an unexpected error there (not
     a CodegenError, which picks the reference VJP) is the backward's to raise: the forward runs

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,15 +52,25 @@ class BackwardKernels:
         r = self.region
         return math.prod(r.batch), r.M, self.stats.dot_grads.width
 
-    def buffers(self, inputs: list[torch.Tensor], kernel: str | None = None,
+    TILES = ("dkdv", "dq")
+
+    def needed_kernels(self, needed) -> tuple[str, ...]:
+        """The tile kernels that write a gradient in ``needed`` (a flag per input; None: all)."""
+        if needed is None:
+            return self.TILES
+        return tuple(kernel for kernel in self.TILES if any(needed[i] for i in self.writes[kernel]))
+
+    def buffers(self, inputs: list[torch.Tensor], kernels: str | tuple[str, ...] = TILES,
                 device: str | None = None) -> dict[int, torch.Tensor]:
-        """What the kernels (``kernel`` alone: ``"dkdv"`` or ``"dq"``; default all) write each
-        gradient into: ``empty_like(x)`` where one program owns each address (a store in x's
-        dtype, ``plan.stored``), fp32 zeros for atomic adds (``zeros_like(x)`` itself when x is
-        fp32: no copy afterwards). ``device="meta"``: the same layouts without memory (what a
-        compile specialises on)."""
+        """What the row kernel and the tile ``kernels`` (``"dkdv"``, ``"dq"``; one name: that
+        kernel alone) write each gradient into: ``empty_like(x)`` where one program owns each
+        address (a store in x's dtype, ``plan.stored``), fp32 zeros for atomic adds
+        (``zeros_like(x)`` itself when x is fp32: no copy afterwards). ``device="meta"``: the
+        same layouts without memory (what a compile specialises on)."""
+        written = self.writes[kernels] if isinstance(kernels, str) else \
+            sorted({i for kernel in ("rows", *kernels) for i in self.writes[kernel]})
         bufs = {}
-        for i in self.writes[kernel]:
+        for i in written:
             x = inputs[i]
             if i in self.plan.stored:
                 bufs[i] = unwritten(torch.empty_like(x, device=device))
@@ -70,13 +81,17 @@ class BackwardKernels:
         return bufs
 
     @staticmethod
-    def results(inputs: list[torch.Tensor], bufs: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+    def results(inputs: list[torch.Tensor], bufs: dict[int, torch.Tensor],
+                needed: Sequence[bool] | None = None) -> list[torch.Tensor | None]:
         """Each gradient in its input's dtype and layout (what the fake implementation promises);
-        None for integer and bool inputs (ids, masks), which have none."""
+        None for integer and bool inputs (ids, masks), which have none, and for inputs not
+        ``needed``."""
         out = []
         for i, x in enumerate(inputs):
             g = bufs.get(i)
-            if g is None:
+            if needed is not None and not needed[i]:
+                out.append(None)
+            elif g is None:
                 out.append(torch.zeros_like(x) if x.is_floating_point() else None)
             elif g.dtype == x.dtype and g.stride() == x.stride():
                 out.append(g)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -312,28 +313,35 @@ class CompiledRegion:
 
     # -- backward -----------------------------------------------------------------------------
     def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, out: torch.Tensor | None,
-                 grad: torch.Tensor, block_stats: dict | None = None) -> list[torch.Tensor | None]:
+                 grad: torch.Tensor, block_stats: dict | None = None,
+                 needed: Sequence[bool] | None = None) -> list[torch.Tensor | None]:
         """The generated kernels: row gradients, then dK/dV (and the body loads' gradients) over
         key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
         bool inputs may get None. ``out``: the forward's output (None from a graph compiled
-        before the op took it). ``block_stats``: the forward's sparsity statistics, if kept."""
+        before the op took it). ``block_stats``: the forward's sparsity statistics, if kept.
+        ``needed``: which inputs' gradients are wanted (autograd's ``needs_input_grad``; None:
+        all): a kernel that writes none of them is not launched, and its gradients are zeros
+        (frozen attention under a trainable epilogue input needs the row kernel alone)."""
         k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
             return self.reference_backward(inputs, grad)
+        tiles = k.needed_kernels(needed)
         rows = self.rows_config(inputs)
-        bufs = k.buffers(inputs)
+        bufs = k.buffers(inputs, tiles)
         block_stats = {} if block_stats is None else block_stats    # shared by the two tile kernels
         self.prefetched("rows")
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
             self.prefetched(kernel)
+            if kernel not in tiles:
+                continue
 
             def triton(kernel=kernel, launch=launch):
                 self.fitting(inputs, lambda cfg: launch(inputs, rowstats, drows, bufs, block_stats, cfg), kernel,
                              tune=lambda cfg: tuned_run(k, kernel, launch, inputs, rowstats, drows, block_stats, cfg))
             k.run_tile(kernel, inputs, rowstats, drows, bufs, block_stats, triton)   # on Hopper, Gluon where it applies
         self.bwd_launches += 1
-        return k.results(inputs, bufs)
+        return k.results(inputs, bufs, needed)
 
     def prefetch_backward(self, inputs: list[torch.Tensor], out: torch.Tensor, rowstats: torch.Tensor,
                           block_stats: dict) -> None:
@@ -663,8 +671,9 @@ class RegionFunction(torch.autograd.Function):
         *tensors, rowstats, out = ctx.saved_tensors
         if grad is None:        # the output did not reach the loss
             return None, *[None] * len(tensors)
-        grads = REGISTRY[ctx.key].backward(tensors, rowstats, out, grad, ctx.block_stats)
-        return None, *[g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
+        needed = ctx.needs_input_grad[1:]
+        grads = REGISTRY[ctx.key].backward(tensors, rowstats, out, grad, ctx.block_stats, needed)
+        return None, *[g if want else None for g, want in zip(grads, needed)]
 
 
 def region_train_direct(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -674,17 +683,18 @@ def region_train_direct(key: str, inputs: list[torch.Tensor]) -> tuple[torch.Ten
 
 @torch.library.custom_op("flashlight::region_backward", mutates_args=())
 def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
-                    out: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """``out`` last and optional: a backward graph compiled (and cached on disk by Inductor)
-    before it was an argument still calls this op correctly (the reference VJP then serves
-    regions whose backward reads the output)."""
-    grads = REGISTRY[key].backward(list(inputs), rowstats, out, grad)
+                    out: torch.Tensor | None = None, needed: list[bool] | None = None) -> list[torch.Tensor]:
+    """``out`` and ``needed`` last and optional: a backward graph compiled (and cached on disk
+    by Inductor) before they were arguments still calls this op correctly (the reference VJP
+    then serves regions whose backward reads the output; every gradient is computed).
+    ``needed``: which inputs' gradients the graph uses (the others are zeros)."""
+    grads = REGISTRY[key].backward(list(inputs), rowstats, out, grad, needed=needed)
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]     # the schema: tensors
 
 
 @region_backward.register_fake
 def _region_backward_fake(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
-                          out: torch.Tensor | None = None) -> list[torch.Tensor]:
+                          out: torch.Tensor | None = None, needed: list[bool] | None = None) -> list[torch.Tensor]:
     return [torch.empty_like(x) for x in inputs]     # each gradient in its input's layout
 
 
@@ -697,8 +707,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad, _grad_rowstats):
     *tensors, rowstats, out = ctx.saved_tensors
-    grads = region_backward(ctx.key, tensors, rowstats, grad, out)
-    return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
+    needed = list(ctx.needs_input_grad[1])      # (key, [one per tensor]): the op's arguments' structure
+    grads = region_backward(ctx.key, tensors, rowstats, grad, out, needed)
+    return None, [g if want else None for g, want in zip(grads, needed)]
 
 
 region_op.register_autograd(_backward, setup_context=_setup_context)
