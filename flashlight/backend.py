@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from . import _compat
-from .capture import Fallback, Match, Unsupported, find_regions, source_line
+from .capture import Fallback, Match, Unsupported, carries_grad, find_regions, mark_gradients, source_line
 from .codegen import CodegenError
 from .ir import Region, VerifyError, verify
 from .rewrite import rewrite
@@ -56,9 +56,10 @@ def lower(region: Region, max_autotune: bool = False):
     return compiled
 
 
-def replace(graph: fx.Graph, match: Match, key: str, autograd: bool = True) -> None:
+def replace(graph: fx.Graph, match: Match, key: str, autograd: bool = True) -> dict[fx.Node, fx.Node]:
     """``flashlight::region`` (output and row statistics, differentiable) where the graph may be
-    differentiated; ``flashlight::region_infer`` (the output alone) where it cannot be."""
+    differentiated; ``flashlight::region_infer`` (the output alone) where it cannot be. Returns
+    the replaced nodes' replacements (a later region may load one of them)."""
     if match.rows:
         return replace_with_rows(graph, match, key)
     with graph.inserting_before(match.root):
@@ -69,9 +70,10 @@ def replace(graph: fx.Graph, match: Match, key: str, autograd: bool = True) -> N
             out = graph.call_function(torch.ops.flashlight.region_infer.default, (key, list(match.leaves)))
     out.meta.update(match.root.meta)
     match.root.replace_all_uses_with(out)
+    return {match.root: out}
 
 
-def replace_with_rows(graph: fx.Graph, match: Match, key: str) -> None:
+def replace_with_rows(graph: fx.Graph, match: Match, key: str) -> dict[fx.Node, fx.Node]:
     """One call returns the output and the extra row outputs (each (*batch, M), viewed back to
     the shape the program had, e.g. keepdim's trailing 1)."""
     with graph.inserting_before(match.root):
@@ -83,6 +85,7 @@ def replace_with_rows(graph: fx.Graph, match: Match, key: str) -> None:
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
     _toposort(graph)      # a row output (logsumexp) may be used before the root in node order
+    return dict(zip([match.root, *match.rows], [outs[0], *views]))
 
 
 def _toposort(graph: fx.Graph) -> None:
@@ -120,16 +123,20 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
     report = GraphReport()
     autograd = needs_autograd(gm, example_inputs)
     aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
+    if autograd:
+        mark_gradients(aten_gm.graph, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
     report.fallbacks += fallbacks
     fused: set[fx.Node] = set()     # nodes a region computes (in-place updates among them)
+    renamed: dict[fx.Node, fx.Node] = {}    # an earlier region's outputs: what a later one loads
     for m in matches:
+        m.leaves = [renamed.get(x, x) for x in m.leaves]
         try:
             compiled = lower(m.region, max_autotune)
         except (Unsupported, CodegenError, VerifyError) as e:
             report.fallbacks.append(Fallback(m.root.name, str(m.root.target), str(e), source_line(m.root)))
             continue
-        replace(aten_gm.graph, m, compiled.key, autograd)
+        renamed |= replace(aten_gm.graph, m, compiled.key, autograd and carries_grad(m.root))
         report.regions.append(compiled)
         fused |= m.inner
     if not report.regions:

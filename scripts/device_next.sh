@@ -1,3 +1,6 @@
+# Session 14's device calls: parts 1 and 2 (one `run` each; the machine stays warm 30 s after a
+# call, so the second follows at once), then D if time is left. Parts A-C (session 12's plan) are
+# kept for a session with more device time.
 # The next device calls (planned in session 12, CPU only; see docs/notes.md "Session 12"). Session 13
 # (CPU only again) checked the Gluon tile kernels' numerics and barrier protocol in an emulator
 # (tests/test_gluon_emulated.py: all pass), so part A's smoke run is expected to pass; what only the
@@ -21,6 +24,26 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+1)  # session 14's first call (~9.5 min): the smoke gates the Gluon tile kernels' half of the A/B
+  tiles=all
+  for k in dkdv dq; do
+    timeout -k 10 90 python3 -m benchmarks.gluon_smoke --kernels $k 2>&1 | nogrep | tee $OUT/smoke_$k.txt | cut -c1-160 | tail -8
+    rc=${PIPESTATUS[0]}; echo "smoke $k rc $rc"; [ "$rc" = 0 ] || tiles=0
+  done
+  FLASHLIGHT_GLUON_DKDV=$tiles FLASHLIGHT_GLUON_DQ=$tiles timeout -k 10 300 python3 -m benchmarks.run --suite training \
+    --b-env FLASHLIGHT_GLUON_DKDV=0,FLASHLIGHT_GLUON_DQ=0 --backends flashlight,flashlight_b,flex,inductor \
+    --no-plots --time-limit 250 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training (tiles $tiles against 0) rc $?"; tail -14 $OUT/training.txt | cut -c1-170
+  timeout -k 10 130 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "gluon or quick or first_forward" > $OUT/test_gpu.txt 2>&1
+  tail -3 $OUT/test_gpu.txt | cut -c1-300
+  ;;
+2)  # the D=128 flex suite cold (first calls against Flex, steady state, cuDNN), then the quick start's A/B
+  timeout -k 10 330 python3 -m benchmarks.run --suite flex --dims 128 --backends flashlight,flex,sdpa_cudnn \
+    --time-limit 300 --out $OUT/flex128 > $OUT/flex128.txt 2>&1
+  echo "flex rc $?"; tail -27 $OUT/flex128.txt | cut -c1-170
+  timeout -k 10 170 python3 -m benchmarks.first_call --variants causal,alibi,document_12,full --d 128 \
+    --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_QUICK=0 2>&1 | nogrep | tee $OUT/first_call_quick.txt | tail -20
+  ;;
 A)
   for k in dkdv dq; do
     timeout -k 10 110 python3 -m benchmarks.gluon_smoke --kernels $k 2>&1 | nogrep | tee $OUT/smoke_$k.txt | cut -c1-200

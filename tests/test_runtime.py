@@ -214,6 +214,54 @@ def test_graph_of_only_regions_and_views_skips_inductor(monkeypatch):
     assert calls == [1] and rel_error(out, causal.attention(to64(q) @ to64(w), to64(k), to64(v))) < 1e-3
 
 
+@pytest.mark.parametrize("path", ["as is", "inductor"])
+def test_a_region_no_gradient_reaches_takes_the_inference_op(monkeypatch, path):
+    """In a training graph, a region under the program's own ``torch.no_grad()`` (a frozen
+    teacher) and one whose inputs need no gradient take ``flashlight::region_infer``: no row
+    statistics kept, no backward compiles started (``FLASHLIGHT_PREFETCH=force``: only the
+    trained region's three are). The trained region keeps the differentiable op; gradients
+    match float64."""
+    from flashlight import _compat
+    from flashlight.runtime import op
+    monkeypatch.setenv("FLASHLIGHT_PREFETCH", "force")
+    op.REGISTRY.clear()
+    torch.compiler.reset()
+    warmed = []
+    monkeypatch.setattr(_compat, "warm", lambda fn, grid, args, meta: warmed.append(fn))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (x.requires_grad_() for x in causal.make_inputs(B=1, H=2, M=40, D=16))
+    qt, kt, vt = alibi.make_inputs(B=1, H=2, M=40, D=16)[:3]      # a frozen teacher's: no grad
+    w = torch.randn(16, 16, generator=g) / 4
+
+    def step(q, k, v, qt, kt, vt):
+        with torch.no_grad():
+            teacher = alibi.attention(qt, kt, q)            # q requires grad, but not under no_grad
+        frozen = alibi.attention(kt, qt, vt)                # no input requires grad
+        student = causal.attention(q, k, v)
+        if path == "inductor":
+            student = student @ w.to(q.dtype)
+        return student + teacher + frozen
+
+    report = flashlight.explain(step, q, k, v, qt, kt, vt)
+    ops = [n.target for gr in report.graphs for n in gr.graph.nodes if getattr(n.target, "namespace", "") == "flashlight"]
+    # as is, the frozen attention joins the student's region through the sum (a second score
+    # program whose inputs need no gradient); the teacher's, under no_grad, is loaded by it
+    infer = 1 if path == "as is" else 2
+    assert sorted(str(t) for t in ops) == ["flashlight.region.default"] + ["flashlight.region_infer.default"] * infer
+    op.REGISTRY.clear()
+    torch.compiler.reset()
+    warmed.clear()
+    out = torch.compile(step, backend="flashlight")(q, k, v, qt, kt, vt)
+    flashlight.wait()
+    assert len(warmed) == 3         # rows, dK/dV, dQ: the trained region's alone
+    dout = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, [q, k, v], dout)
+    leaves = [to64(x).detach().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(step(*leaves, *map(to64, (qt, kt, vt))), leaves, to64(dout))
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < 1e-3
+
+
 def test_training_graph_that_runs_as_is_calls_the_autograd_function():
     """A differentiable graph of only regions and views calls ``RegionFunction`` (no dispatcher);
     one with other compute keeps the custom op for Inductor. Both give float64's gradients and
@@ -646,27 +694,26 @@ def test_the_backward_compiles_from_the_first_forward(monkeypatch, path):
 
 
 @pytest.mark.parametrize("path", ["as is", "inductor"])
-@pytest.mark.parametrize("trained,kernels", [("y", ["rows"]), ("v", ["rows", "dkdv"]), ("q", ["rows", "dq"]),
-                                             ("qkvy", ["rows", "dkdv", "dq"])])
+@pytest.mark.parametrize("trained,kernels", [("sinks", ["rows"]), ("v", ["rows", "dkdv"]), ("q", ["rows", "dq"]),
+                                             ("q k v sinks", ["rows", "dkdv", "dq"])])
 def test_the_backward_launches_only_the_kernels_of_needed_gradients(monkeypatch, path, trained, kernels):
     """A tile kernel none of whose gradients autograd needs is not launched: frozen attention
-    under a trainable epilogue input (``attention(q, k, v) + y``, the ``+ y`` fused into the
-    region) runs the row kernel alone; a trainable V alone, the dK/dV kernel too; Q alone, the
-    dQ kernel. The wanted gradients match float64 either way. Both for a graph that runs as is
-    (``RegionFunction``: ``needs_input_grad``) and for one Inductor compiles around the custom
-    op (``flashlight::region_backward`` takes the list)."""
+    with trainable sink logits (the row kernel scatters their gradient) runs the row kernel
+    alone; a trainable V alone, the dK/dV kernel too; Q alone, the dQ kernel. The wanted
+    gradients match float64 either way. Both for a graph that runs as is (``RegionFunction``:
+    ``needs_input_grad``) and for one Inductor compiles around the custom op
+    (``flashlight::region_backward`` takes the list)."""
+    from flashlight.examples import sinks
     from flashlight.runtime import op
     op.REGISTRY.clear()
     torch.compiler.reset()
     g = torch.Generator().manual_seed(2)
-    q, k, v = causal.make_inputs(B=1, H=2, M=70, D=16)
-    x, w = torch.randn(1, 2, 70, 16, generator=g), torch.randn(16, 16, generator=g) / 4
-    y = x @ w
-    inputs = {"q": q, "k": k, "v": v, "y": w if path == "inductor" else y}
-    for name in trained:
+    inputs = dict(zip(["q", "k", "v", "sinks"], sinks.make_inputs(B=1, H=2, M=70, D=16)))
+    for name in trained.split():
         inputs[name].requires_grad_()
-    mod = SimpleNamespace(attention={"as is": lambda q, k, v, y: causal.attention(q, k, v) + y,
-                                     "inductor": lambda q, k, v, w: causal.attention(q, k, v) + x.to(w.dtype) @ w}[path])
+    w = torch.randn(16, 16, generator=g) / 4
+    mod = SimpleNamespace(attention={"as is": sinks.attention,       # a projection: Inductor compiles the graph
+                                     "inductor": lambda q, k, v, s: sinks.attention(q, k, v, s) @ w.to(q.dtype)}[path])
     args = list(inputs.values())
     out = torch.compile(mod.attention, backend="flashlight")(*args)
     (c,) = op.REGISTRY.values()

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from ..ir import Expr, var
 from .rules import _norm_dim, relinearize
-from .symbolic import RULES, Unsupported, meta, static_shape
+from .symbolic import RULES, Unsupported, carries_grad, meta, static_shape
 
 aten = torch.ops.aten
 CONTRACTIONS = {aten.matmul, aten.bmm, aten.einsum}
@@ -84,8 +84,8 @@ class _Grower:
     def classify(self, u: fx.Node) -> str | None:
         """Add ``u`` if it extends the epilogue; returns how (None: it does not)."""
         p = packet(u)
-        if p is None or p not in RULES or meta(u) is None:
-            return None
+        if p is None or p not in RULES or meta(u) is None or carries_grad(u) != carries_grad(self.root):
+            return None         # (a region is differentiated at its root as at its contraction)
         ins = [a for a in u.all_input_nodes if a in self.desc or a is self.root]
         if not ins or any(a not in self.maps and a not in self.rows for a in ins):
             return None

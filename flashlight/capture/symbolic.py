@@ -105,9 +105,45 @@ def written_later(node: fx.Node) -> bool:
     return any(order[u] > first and u not in writes for a in aliases for u in a.users)
 
 
+CARRIES, STOPS = "flashlight_carries_grad", "flashlight_stops_grad"     # node.meta keys (mark_gradients)
+
+
+def mark_gradients(graph: fx.Graph, example_inputs) -> None:
+    """For a graph that may be differentiated: mark in each node's meta whether its value may
+    need a gradient (``CARRIES``: an input that requires grad, a module attribute (unknown), or
+    a floating result of one under grad mode, which the graph's own ``torch.no_grad()`` blocks
+    switch) and whether it stops one (``STOPS``: a floating result of such a value that does not
+    carry it: ``detach()``, or computed under ``no_grad``). A region differentiated at its root
+    loads a stopping node's value instead of fusing through it (its gradient would otherwise
+    flow into the detached inputs), and a region whose root carries none takes the inference op.
+    Unmarked nodes (a graph no gradient reaches) carry and stop nothing."""
+    enabled, inputs = torch.is_grad_enabled(), iter(example_inputs)
+    for n in graph.nodes:
+        if _compat.sets_grad_mode(n):
+            enabled = bool(n.args[0])
+            continue
+        if n.op == "placeholder":
+            x = next(inputs, None)
+            n.meta[CARRIES] = isinstance(x, torch.Tensor) and x.requires_grad
+            continue
+        if n.op == "get_attr":
+            n.meta[CARRIES] = True
+            continue
+        val = n.meta.get("val")
+        floating = not isinstance(val, torch.Tensor) or val.is_floating_point() or val.is_complex()
+        fed = floating and any(i.meta.get(CARRIES, False) for i in n.all_input_nodes)
+        n.meta[CARRIES] = fed and enabled and n.target is not aten.detach.default
+        n.meta[STOPS] = fed and not n.meta[CARRIES]
+
+
+def carries_grad(node: fx.Node) -> bool:
+    return node.meta.get(CARRIES, False)
+
+
 class Builder:
-    def __init__(self, batch: tuple[int, ...], M: int, N: int, DV: int):
+    def __init__(self, batch: tuple[int, ...], M: int, N: int, DV: int, differentiable: bool = False):
         self.batch, self.M, self.N, self.DV = batch, M, N, DV
+        self.differentiable = differentiable     # the region's gradient is taken: STOPS nodes are leaves
         self.DK: int | None = None
         self.bvars = tuple(var(f"b{i}") for i in range(len(batch)))
         self.m, self.n, self.dk, self.dv = var("m"), var("n"), var("dk"), var("dv")
@@ -123,7 +159,7 @@ class Builder:
     # -- trial evaluation ------------------------------------------------------------------
     def snapshot(self) -> "Builder":
         """A copy of the state, for ``restore`` after a trial evaluation that is rejected."""
-        saved = Builder(self.batch, self.M, self.N, self.DV)
+        saved = Builder(self.batch, self.M, self.N, self.DV, self.differentiable)
         saved.DK = self.DK
         for name in ("inputs", "dots", "reductions", "syms", "inner", "leaves", "declined"):
             setattr(saved, name, type(getattr(self, name))(getattr(self, name)))
@@ -150,6 +186,9 @@ class Builder:
             raise Unsupported(f"{node.name} is not a tensor", node)
         if written_later(node):     # its expression is not what its readers see: load it instead
             self.decline(node, "written in place after it is computed (e.g. through a view)")
+            return self.leaf(node)
+        if self.differentiable and node.meta.get(STOPS, False):     # no gradient flows through it
+            self.decline(node, "its gradient is stopped (detach() or no_grad) in a differentiated region")
             return self.leaf(node)
         key = getattr(node.target, "overloadpacket", node.target)
         rule = RULES.get(key) if node.op == "call_function" else None
