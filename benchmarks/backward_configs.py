@@ -42,9 +42,9 @@ def capture_step(mod, inputs: list[torch.Tensor]):
     seen = {}
     backward = rt.CompiledRegion.backward
 
-    def recording(self, tensors, rowstats, out, grad, block_stats=None):
+    def recording(self, tensors, rowstats, out, grad, *args, **kwargs):
         seen.update(c=self, args=(tensors, rowstats, out, grad))
-        return backward(self, tensors, rowstats, out, grad, block_stats)
+        return backward(self, tensors, rowstats, out, grad, *args, **kwargs)
     rt.CompiledRegion.backward = recording      # this script's own probe
     try:
         fn = torch.compile(mod.attention, backend="flashlight", dynamic=False)
