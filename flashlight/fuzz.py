@@ -33,10 +33,11 @@ class Program:
     oracle: object = None       # the float64 reference's program, when it must differ from ``fn``
 
 
-def make_program(rng: random.Random, sizes: dict | None = None) -> Program:
+def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = True) -> Program:
     """A random program. ``sizes`` overrides the drawn sizes (``B``, ``H``, ``M``, ``N``, ``D``,
     ``Dv``; drawn all the same, so a seed keeps the rest of its program): the Gluon fuzz asks for
-    whole blocks and head dims 64 / 128."""
+    whole blocks and head dims 64 / 128. ``stops=False``: no stopped gradient (``detach()``, a
+    ``no_grad`` term), which only the capture sees (the Gluon fuzz compares kernels)."""
     B, H = rng.choice([1, 2]), rng.choice([1, 2, 4])
     M = rng.choice([1, 2, 5, 13, 16, 31, 37, 64, 70])
     N = rng.choice([M, M, 3, 17, 29, 48, 61, 83])
@@ -84,6 +85,8 @@ def make_program(rng: random.Random, sizes: dict | None = None) -> Program:
 
     def program(q, k, v, *xs, oracle=False):
         ex = dict(zip(names, xs))
+        if stop in ("k", "v"):              # a stopped gradient: no gradient reaches it
+            k, v = (k.detach(), v) if stop == "k" else (k, v.detach())
         if gqa == "expand":
             k = k[:, :, None].expand(B, Hkv, H, N, D).reshape(B, H, N, D)
             v = v[:, :, None].expand(B, Hkv, H, N, Dv).reshape(B, H, N, Dv)
@@ -99,6 +102,12 @@ def make_program(rng: random.Random, sizes: dict | None = None) -> Program:
             s = s / math.sqrt(D)
         if softcap:
             s = 20.0 * torch.tanh(s / 20.0)
+        if stop == "scores":                # half the scores' gradient stopped
+            s = 0.5 * (s + s.detach())
+        elif stop == "no_grad":             # a score-sized term computed without gradient
+            with torch.no_grad():
+                term = torch.tanh(q @ k.transpose(-2, -1) * 0.1)
+            s = s + term
         qi = torch.arange(M)[:, None]
         ki = torch.arange(N)[None, :]
         if bias == "alibi":
@@ -155,9 +164,12 @@ def make_program(rng: random.Random, sizes: dict | None = None) -> Program:
     if sink:
         extra["sinks"] = rand(H)
         names.append("sinks")
+    stop = rng.choice(["none"] * 8 + ["k", "v", "scores", "no_grad"])    # drawn last, likewise
+    stop = stop if stops else "none"
+    grads = grads or stop != "none"
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
-            f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink}")
+            f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop}")
     return Program(desc, program, (q, k, v, *extra.values()), grads=grads,
                    oracle=lambda *xs: program(*xs, oracle=True))
 
@@ -183,11 +195,11 @@ def check(p: Program, tol: float = 1e-3) -> tuple[bool, bool, str]:
     if ok and p.grads:
         leaves = [x.detach().requires_grad_() if x.is_floating_point() else x for x in p.args]
         g = torch.autograd.grad(torch.compile(p.fn, backend="flashlight")(*leaves).sum(),
-                                [x for x in leaves if x.requires_grad], allow_unused=True)
+                                [x for x in leaves if x.requires_grad], allow_unused=True, materialize_grads=True)
         leaves64 = [x.detach().double().requires_grad_() if x.is_floating_point() else x for x in p.args]
         g64 = torch.autograd.grad((p.oracle or p.fn)(*leaves64).nan_to_num(0).sum(),
-                                  [x for x in leaves64 if x.requires_grad], allow_unused=True)
-        pairs = [(a, b) for a, b in zip(g, g64) if a is not None and b is not None]
+                                  [x for x in leaves64 if x.requires_grad], allow_unused=True, materialize_grads=True)
+        pairs = list(zip(g, g64))       # an unused input's gradient is zeros on both sides
         if any(b.isnan().any() for _, b in pairs):
             return ok, bool(report.regions), msg + " grad skipped (eager NaN: a fully masked row)"
         # relative to the gradients' scale: some are analytically 0 (a per-row bias under softmax,
