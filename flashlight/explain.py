@@ -123,10 +123,12 @@ def hopper_backward(r: Region) -> str:
     """Which tile kernels of the generated backward an sm_90 GPU runs (``codegen.gluon_backward``)."""
     from .codegen.gluon import gluon_pays
     from .codegen.gluon_backward import tiles_support
-    why = tiles_support(r) or gluon_pays(r)
+    from .runtime.gluon import mode
+    modes = {mode(k) for k in ("dkdv", "dq")}
+    why = tiles_support(r) or ("off: FLASHLIGHT_GLUON_DKDV / _DQ" if "0" in modes else "") or \
+        (gluon_pays(r) if "1" in modes else "")
     return f"Triton dK/dV and dQ kernels ({why})" if why else \
-        ("Triton dK/dV and dQ kernels (FLASHLIGHT_GLUON_DKDV=1, FLASHLIGHT_GLUON_DQ=1: warp-specialised Gluon ones, "
-         "not yet run on a GPU)")
+        "Gluon dK/dV and dQ kernels (warp-specialised), on whole blocks of 16-bit rows"
 
 
 def explain(fn, *args, **kwargs) -> Report:

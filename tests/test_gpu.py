@@ -107,6 +107,7 @@ def test_gluon_forward_matches_float64(name, D, kw, monkeypatch):
     monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", "all")
     monkeypatch.setenv("FLASHLIGHT_GLUON_DQ", "all")
     monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")   # the first call runs it
+    REGISTRY.clear()        # this case's region alone
     mod = VARIANTS[name]
     torch.manual_seed(0)
     inputs = [x.cuda() for x in mod.make_inputs(B=2, H=4, M=384, D=D, dtype=torch.bfloat16, **kw)]

@@ -219,8 +219,8 @@ class BackwardKernels:
 
     def gluon_tile_applies(self, kernel: str, inputs, rowstats, drows, bufs) -> bool:
         """May this backward run the Gluon ``kernel``: sm_90, ``FLASHLIGHT_GLUON_DKDV`` / ``_DQ``
-        (off by default until measured), a region it supports where the Gluon forward measured
-        faster, a usable layout of the inputs, the row statistics and gradients and the gradient
+        (default ``all``; ``1``: only where the Gluon forward measured faster), a region it
+        supports, a usable layout of the inputs, the row statistics and gradients and the gradient
         tensors it writes (``runtime.gluon.tiles_usable``), unless it failed? The cheap tests
         first: this runs on every backward."""
         mode = gluon.mode(kernel)
