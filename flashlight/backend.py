@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from . import _compat
 from .capture import Fallback, Match, Unsupported, carries_grad, find_regions, mark_gradients, source_line
+from .capture.symbolic import CARRIES
 from .codegen import CodegenError
 from .ir import Region, VerifyError, verify
 from .rewrite import rewrite
@@ -71,6 +72,22 @@ def replace(graph: fx.Graph, match: Match, key: str, autograd: bool = True) -> d
     out.meta.update(match.root.meta)
     match.root.replace_all_uses_with(out)
     return {match.root: out}
+
+
+def detached(graph: fx.Graph, match: Match) -> list[fx.Node]:
+    """The leaves of a region no gradient reaches, in a graph that may be differentiated, those
+    that carry one detached (views, no copies): no gradient flows through the region, and its
+    ops get no input that requires one (``region_infer`` has no autograd)."""
+    leaves = []
+    with graph.inserting_before(match.root):
+        for x in match.leaves:
+            if carries_grad(x):
+                d = graph.call_function(aten.detach.default, (x,))
+                d.meta.update(x.meta)
+                d.meta[CARRIES] = False
+                x = d
+            leaves.append(x)
+    return leaves
 
 
 def replace_with_rows(graph: fx.Graph, match: Match, key: str) -> dict[fx.Node, fx.Node]:
@@ -131,12 +148,15 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
     renamed: dict[fx.Node, fx.Node] = {}    # an earlier region's outputs: what a later one loads
     for m in matches:
         m.leaves = [renamed.get(x, x) for x in m.leaves]
+        differentiated = autograd and any(carries_grad(x) for x in [m.root, *m.rows])
+        if autograd and not differentiated:
+            m.leaves = detached(aten_gm.graph, m)
         try:
             compiled = lower(m.region, max_autotune)
         except (Unsupported, CodegenError, VerifyError) as e:
             report.fallbacks.append(Fallback(m.root.name, str(m.root.target), str(e), source_line(m.root)))
             continue
-        renamed |= replace(aten_gm.graph, m, compiled.key, autograd and carries_grad(m.root))
+        renamed |= replace(aten_gm.graph, m, compiled.key, differentiated)
         report.regions.append(compiled)
         fused |= m.inner
     if not report.regions:

@@ -304,25 +304,60 @@ def _stopped_programs():
         with torch.no_grad():
             bias = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
         return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + b, -1) @ v + bias * 0.5
-    return [detached_operands, detached_scores, no_grad_block]
+
+    def all_detached(q, k, v, b):           # no gradient reaches the region: the inference op,
+        o = attention(q.detach(), k.detach(), v.detach(), b)       # through Inductor (cumsum)
+        return o.cumsum(-1) + q * 2
+
+    def rows_of_detached(q, k, v, b):       # a row output (logsumexp) of a region no gradient reaches
+        s = q.detach() @ k.detach().transpose(-1, -2)
+        return torch.softmax(s, -1) @ v.detach() * b[:, :16] + torch.logsumexp(s, -1, keepdim=True)
+
+    def chunk_under_no_grad(q, k, v, b):    # a rule reads through the chunk to its input
+        with torch.no_grad():
+            q1, q2 = q.chunk(2, -1)
+        k1, k2 = k.chunk(2, -1)
+        return torch.softmax((q1 @ k1.transpose(-1, -2) + q2 @ k2.transpose(-1, -2)) * 0.25, -1) @ v
+    return [detached_operands, detached_scores, no_grad_block, all_detached, rows_of_detached, chunk_under_no_grad]
 
 
-@pytest.mark.parametrize("fn", _stopped_programs(), ids=lambda f: f.__name__)
-def test_a_stopped_gradient_stays_stopped_inside_a_region(fn):
+def attention(q, k, v, b):
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + b, -1) @ v
+
+
+def _scaled_in_place_under_no_grad(q, k, v, b):
+    s = q @ k.transpose(-1, -2)
+    with torch.no_grad():
+        s.mul_(0.5)                         # eager's gradient passes the write unchanged
+    return torch.softmax(s + b, -1) @ v
+
+
+@pytest.mark.parametrize("fn", _stopped_programs() + [_scaled_in_place_under_no_grad], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("trained", ["q k v b", "q"])
+def test_a_stopped_gradient_stays_stopped_inside_a_region(fn, trained):
     """``detach()`` and ``torch.no_grad()`` inside a fused program: no gradient flows through
     them (the region loads the stopped value; before, the capture fused through ``detach`` as a
-    view and through the no_grad block, and gave their inputs gradients they do not have).
-    Every input's gradient, absent ones as zeros, matches float64 eager; the region is fused."""
+    view and through the no_grad block, and gave their inputs gradients they do not have; a
+    region no gradient reached crashed Inductor's tracing or kept a backward). Every input's
+    gradient, absent ones as zeros, matches float64 eager, with every input trained and with q
+    alone; each program but the in-place one (which falls back) is fused (a product of
+    detached scores alone is not a region: it has no score contraction)."""
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(1, 2, 37, 16, generator=g) for _ in range(3)] + [torch.randn(37, 37, generator=g)]
+    names = "q k v b".split()
 
     def gradients(f, cast):
-        leaves = [cast(x).requires_grad_() for x in xs]
+        leaves = [cast(x).requires_grad_(n in trained.split()) for x, n in zip(xs, names)]
         out = f(*leaves)
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
-        return torch.autograd.grad((out * w).sum(), leaves, allow_unused=True, materialize_grads=True)
-    report = flashlight.explain(fn, *[x.clone().requires_grad_() for x in xs])
-    assert report.regions and not report.fallbacks, report
+        wanted = [x for x in leaves if x.requires_grad]
+        if not out.requires_grad:           # no trained input reaches the output (both sides)
+            return [torch.zeros_like(x) for x in wanted]
+        return torch.autograd.grad((out * w).sum(), wanted, allow_unused=True, materialize_grads=True)
+    torch.compiler.reset()
+    report = flashlight.explain(fn, *[x.clone().requires_grad_(n in trained.split()) for x, n in zip(xs, names)])
+    assert fn is _scaled_in_place_under_no_grad or report.regions, report
+    torch.compiler.reset()
     got = gradients(torch.compile(fn, backend="flashlight"), lambda x: x.clone())
     want = gradients(fn, lambda x: x.double())
     for i, (a, b) in enumerate(zip(got, want)):

@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..ir import Expr, Input, Region, Row, const, free_vars, refs
 from .epilogue import CONTRACTIONS, extend, packet
 from .rules import einsum_letters, permute_back
-from .symbolic import RULES, Builder, Unsupported, carries_grad, meta, static_shape
+from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, meta, static_shape
 
 aten = torch.ops.aten
 SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
@@ -113,7 +113,7 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
     if geom is None:
         return None, None
     batch, M, N, DV, order = geom
-    b = Builder(batch, M, N, DV, differentiable=carries_grad(contraction))
+    b = Builder(batch, M, N, DV, grad_mode=contraction.meta.get(GRAD_MODE, False))
     tile = b.bvars + (b.m, b.dv)
     epi = extend(contraction, permute_back(tile, order), tile)
     b.epilogue = epi.nodes - {contraction}

@@ -105,23 +105,33 @@ def written_later(node: fx.Node) -> bool:
     return any(order[u] > first and u not in writes for a in aliases for u in a.users)
 
 
-CARRIES, STOPS = "flashlight_carries_grad", "flashlight_stops_grad"     # node.meta keys (mark_gradients)
+CARRIES, STOPS, GRAD_MODE = "flashlight_carries_grad", "flashlight_stops_grad", "flashlight_grad_mode"  # node.meta
 
 
 def mark_gradients(graph: fx.Graph, example_inputs) -> None:
-    """For a graph that may be differentiated: mark in each node's meta whether its value may
-    need a gradient (``CARRIES``: an input that requires grad, a module attribute (unknown), or
-    a floating result of one under grad mode, which the graph's own ``torch.no_grad()`` blocks
-    switch) and whether it stops one (``STOPS``: a floating result of such a value that does not
-    carry it: ``detach()``, or computed under ``no_grad``). A region differentiated at its root
-    loads a stopping node's value instead of fusing through it (its gradient would otherwise
-    flow into the detached inputs), and a region whose root carries none takes the inference op.
-    Unmarked nodes (a graph no gradient reaches) carry and stop nothing."""
+    """For a graph that may be differentiated, mark in each node's meta:
+
+    - ``GRAD_MODE``: grad mode where it runs (the graph's own ``torch.no_grad()`` blocks switch it);
+    - ``CARRIES``: may its value need a gradient? An input that requires grad, a module attribute
+      (unknown), a floating result of one under grad mode unless ``detach()``ed, and a tensor
+      written in place (under ``no_grad`` too: eager keeps its history);
+    - ``STOPS``: is it a floating value computed from gradient-carrying ones that does not pass
+      their gradient on: ``detach()``, a result under ``no_grad`` (and the values a ``no_grad``
+      block computes from such results: a rule may read through them, as a chunk's items read
+      the chunk's input), and an in-place write under ``no_grad`` (eager's gradient skips the
+      write: not the op's derivative).
+
+    A region whose contraction runs under grad mode loads stopped values instead of fusing
+    through them (its derived backward would send gradient into them), and its epilogue grows
+    only through values that carry a gradient as its contraction does; one whose root carries
+    none takes the inference op on detached inputs (``backend.replace``). Unmarked nodes (a
+    graph no gradient reaches) carry and stop nothing."""
     enabled, inputs = torch.is_grad_enabled(), iter(example_inputs)
     for n in graph.nodes:
         if _compat.sets_grad_mode(n):
             enabled = bool(n.args[0])
             continue
+        n.meta[GRAD_MODE] = enabled
         if n.op == "placeholder":
             x = next(inputs, None)
             n.meta[CARRIES] = isinstance(x, torch.Tensor) and x.requires_grad
@@ -131,9 +141,15 @@ def mark_gradients(graph: fx.Graph, example_inputs) -> None:
             continue
         val = n.meta.get("val")
         floating = not isinstance(val, torch.Tensor) or val.is_floating_point() or val.is_complex()
-        fed = floating and any(i.meta.get(CARRIES, False) for i in n.all_input_nodes)
-        n.meta[CARRIES] = fed and enabled and n.target is not aten.detach.default
-        n.meta[STOPS] = fed and not n.meta[CARRIES]
+        ins = n.all_input_nodes
+        if n.op == "call_function" and _compat.first_argument_alias(n.target) == "write" and \
+                isinstance(n.args[0], fx.Node) and carries_grad(n.args[0]):
+            n.meta[CARRIES], n.meta[STOPS] = True, not enabled
+            continue
+        n.meta[CARRIES] = floating and enabled and n.target is not aten.detach.default and \
+            any(carries_grad(i) for i in ins)
+        n.meta[STOPS] = floating and not n.meta[CARRIES] and (any(carries_grad(i) for i in ins) or (
+            not enabled and any(i.meta.get(STOPS, False) for i in ins)))    # a no_grad block's later values
 
 
 def carries_grad(node: fx.Node) -> bool:
@@ -141,9 +157,9 @@ def carries_grad(node: fx.Node) -> bool:
 
 
 class Builder:
-    def __init__(self, batch: tuple[int, ...], M: int, N: int, DV: int, differentiable: bool = False):
+    def __init__(self, batch: tuple[int, ...], M: int, N: int, DV: int, grad_mode: bool = False):
         self.batch, self.M, self.N, self.DV = batch, M, N, DV
-        self.differentiable = differentiable     # the region's gradient is taken: STOPS nodes are leaves
+        self.grad_mode = grad_mode      # a contraction under grad mode in a marked graph: STOPS nodes are leaves
         self.DK: int | None = None
         self.bvars = tuple(var(f"b{i}") for i in range(len(batch)))
         self.m, self.n, self.dk, self.dv = var("m"), var("n"), var("dk"), var("dv")
@@ -159,7 +175,7 @@ class Builder:
     # -- trial evaluation ------------------------------------------------------------------
     def snapshot(self) -> "Builder":
         """A copy of the state, for ``restore`` after a trial evaluation that is rejected."""
-        saved = Builder(self.batch, self.M, self.N, self.DV, self.differentiable)
+        saved = Builder(self.batch, self.M, self.N, self.DV, self.grad_mode)
         saved.DK = self.DK
         for name in ("inputs", "dots", "reductions", "syms", "inner", "leaves", "declined"):
             setattr(saved, name, type(getattr(self, name))(getattr(self, name)))
@@ -187,8 +203,8 @@ class Builder:
         if written_later(node):     # its expression is not what its readers see: load it instead
             self.decline(node, "written in place after it is computed (e.g. through a view)")
             return self.leaf(node)
-        if self.differentiable and node.meta.get(STOPS, False):     # no gradient flows through it
-            self.decline(node, "its gradient is stopped (detach() or no_grad) in a differentiated region")
+        if self.grad_mode and node.meta.get(STOPS, False):     # no gradient flows through it
+            self.decline(node, "its gradient is stopped (detach() or no_grad) in a region under grad mode")
             return self.leaf(node)
         key = getattr(node.target, "overloadpacket", node.target)
         rule = RULES.get(key) if node.op == "call_function" else None
