@@ -61,6 +61,18 @@ def first_argument_alias(target) -> str:
     return "" if info is None else "write" if info.is_write else "view"
 
 
+def inference_mode_switch(node) -> str:
+    """``"enter"`` / ``"exit"`` for the nodes Dynamo records for ``torch.inference_mode()`` inside a
+    program (``torch.autograd.grad_mode._enter_inference_mode`` / ``_exit_inference_mode``:
+    private, present in 2.11-2.13), else ``""``."""
+    import torch.autograd.grad_mode as gm
+    if node.op != "call_function":
+        return ""
+    if node.target is getattr(gm, "_enter_inference_mode", None):
+        return "enter"
+    return "exit" if node.target is getattr(gm, "_exit_inference_mode", None) else ""
+
+
 def sets_grad_mode(node) -> bool:
     """A Dynamo graph node that switches grad mode (``torch.enable_grad()`` inside the program)."""
     import torch

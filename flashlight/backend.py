@@ -135,11 +135,41 @@ def needs_autograd(gm: fx.GraphModule, example_inputs) -> bool:
         any(p.requires_grad for p in gm.parameters())
 
 
+def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose ``torch.inference_mode()`` blocks are ``torch.no_grad()`` ones, for
+    tracing: the ATen trace keeps ``_set_grad_enabled`` calls but drops inference mode's, and
+    ``mark_gradients`` reads grad mode from them (a block left unmarked would be fused into a
+    differentiated region: its inputs got gradients eager does not give). The gradients are
+    eager's; only inference tensors' restrictions (no later use in autograd) are not kept."""
+    if not any(_compat.inference_mode_switch(n) for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    enabled, stack = torch.is_grad_enabled(), []
+    for n in list(graph.nodes):
+        switch = _compat.inference_mode_switch(n)
+        if _compat.sets_grad_mode(n):
+            enabled = bool(n.args[0])
+        elif switch == "enter" and n.args and n.args[0] is True:
+            stack.append(enabled)
+            enabled = False
+            with graph.inserting_before(n):
+                graph.call_function(torch._C._set_grad_enabled, (False,))
+        elif switch == "exit" and stack:
+            enabled = stack.pop()
+            with graph.inserting_before(n):
+                graph.call_function(torch._C._set_grad_enabled, (enabled,))
+    for n in reversed(list(graph.nodes)):     # the exits first: they read the enters
+        if _compat.inference_mode_switch(n) and not n.users:
+            graph.erase_node(n)
+    return fx.GraphModule(gm, graph)
+
+
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:
     """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op."""
     report = GraphReport()
     autograd = needs_autograd(gm, example_inputs)
-    aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(gm).run, example_inputs)
+    aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(inference_mode_as_no_grad(gm)).run, example_inputs)
     if autograd:
         mark_gradients(aten_gm.graph, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
