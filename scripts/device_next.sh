@@ -1,6 +1,11 @@
-# Session 14's device calls: parts 1 and 2 (one `run` each; the machine stays warm 30 s after a
-# call, so the second follows at once), then D if time is left. Parts A-C (session 12's plan) are
-# kept for a session with more device time.
+# Next session: part 3 first (~6 min): why the document mask's training step took 1.19 ms in
+# session 14 against 0.56 in session 10 (docs/notes.md, "Session 14"). It profiles this code and
+# session 10's (ffd254c) in one call; prepare the old tree here first, then carry it:
+#   git archive ffd254c | (mkdir -p .s10 && tar -x -C .s10); echo /.s10/ >> .git/info/exclude
+#   run(command="bash scripts/device_next.sh 3", carry=[".s10"])
+# Then part D (the prefetch's and prebuild's A/Bs) and the Gluon tile kernels' per-kernel split
+# (part A's last loop). Session 14 ran parts 1 and 2 (one `run` each; the machine stays warm 30 s
+# after a call, so the second followed at once). Parts A-C are session 12's plan.
 # The next device calls (planned in session 12, CPU only; see docs/notes.md "Session 12"). Session 13
 # (CPU only again) checked the Gluon tile kernels' numerics and barrier protocol in an emulator
 # (tests/test_gluon_emulated.py: all pass), so part A's smoke run is expected to pass; what only the
@@ -36,6 +41,13 @@ case "$1" in
   echo "training (tiles $tiles against 0) rc $?"; tail -14 $OUT/training.txt | cut -c1-170
   timeout -k 10 130 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "gluon or quick or first_forward" > $OUT/test_gpu.txt 2>&1
   tail -3 $OUT/test_gpu.txt | cut -c1-300
+  ;;
+3)  # the document mask's step, per kernel and host time (torch.profiler, cProfile): this code, then session 10's
+  for tree in . .s10; do
+    (cd $tree && PYTHONPATH=. timeout -k 10 140 python3 -m benchmarks.kernels --variants document_mask,causal --d 64 \
+      --step --flex --profile --out $OUT/kernels_$(basename $tree) 2>&1 | nogrep > $OUT/kernels_$(basename $tree).txt)
+    echo "== $tree"; grep -E "do_bench| fl_|host" $OUT/kernels_$(basename $tree).txt | cut -c1-150 | head -30
+  done
   ;;
 2)  # the D=128 flex suite cold (first calls against Flex, steady state, cuDNN), then the quick start's A/B
   timeout -k 10 330 python3 -m benchmarks.run --suite flex --dims 128 --backends flashlight,flex,sdpa_cudnn \
