@@ -73,10 +73,15 @@ def inference_mode_switch(node) -> str:
     return "exit" if node.target is getattr(gm, "_exit_inference_mode", None) else ""
 
 
+def set_grad_enabled_fn():
+    """The function Dynamo graphs call to switch grad mode (``torch._C._set_grad_enabled``)."""
+    import torch
+    return torch._C._set_grad_enabled
+
+
 def sets_grad_mode(node) -> bool:
     """A Dynamo graph node that switches grad mode (``torch.enable_grad()`` inside the program)."""
-    import torch
-    return node.op == "call_function" and node.target is torch._C._set_grad_enabled
+    return node.op == "call_function" and node.target is set_grad_enabled_fn()
 
 
 class FastLaunch:

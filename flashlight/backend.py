@@ -154,11 +154,11 @@ def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
             stack.append(enabled)
             enabled = False
             with graph.inserting_before(n):
-                graph.call_function(torch._C._set_grad_enabled, (False,))
+                graph.call_function(_compat.set_grad_enabled_fn(), (False,))
         elif switch == "exit" and stack:
             enabled = stack.pop()
             with graph.inserting_before(n):
-                graph.call_function(torch._C._set_grad_enabled, (enabled,))
+                graph.call_function(_compat.set_grad_enabled_fn(), (enabled,))
     for n in reversed(list(graph.nodes)):     # the exits first: they read the enters
         if _compat.inference_mode_switch(n) and not n.users:
             graph.erase_node(n)
