@@ -145,18 +145,17 @@ def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
         return gm
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    enabled, stack = torch.is_grad_enabled(), []
+    enabled, before = torch.is_grad_enabled(), {}      # a rewritten enter -> grad mode before it
     for n in list(graph.nodes):
         switch = _compat.inference_mode_switch(n)
         if _compat.sets_grad_mode(n):
             enabled = bool(n.args[0])
         elif switch == "enter" and n.args and n.args[0] is True:
-            stack.append(enabled)
-            enabled = False
+            before[n], enabled = enabled, False
             with graph.inserting_before(n):
                 graph.call_function(_compat.set_grad_enabled_fn(), (False,))
-        elif switch == "exit" and stack:
-            enabled = stack.pop()
+        elif switch == "exit" and n.args and n.args[0] in before:     # its own enter's (not inference_mode(False)'s)
+            enabled = before[n.args[0]]
             with graph.inserting_before(n):
                 graph.call_function(_compat.set_grad_enabled_fn(), (enabled,))
     for n in reversed(list(graph.nodes)):     # the exits first: they read the enters

@@ -322,8 +322,14 @@ def _stopped_programs():
         with torch.inference_mode():
             teacher = attention(q, k, v, b)
         return attention(q, k, v, b) + teacher
+    def nested_inference_mode(q, k, v, b):  # an inner inference_mode(False) ends no outer block
+        with torch.inference_mode():
+            with torch.inference_mode(False):
+                unused = q * 1.0  # noqa: F841
+            teacher = attention(q, k, v, b)
+        return attention(q, k, v, b) + teacher
     return [detached_operands, detached_scores, no_grad_block, all_detached, rows_of_detached, chunk_under_no_grad,
-            inference_mode_block]
+            inference_mode_block, nested_inference_mode]
 
 
 def attention(q, k, v, b):

@@ -320,8 +320,8 @@ class CompiledRegion:
         bool inputs may get None. ``out``: the forward's output (None from a graph compiled
         before the op took it). ``block_stats``: the forward's sparsity statistics, if kept.
         ``needed``: which inputs' gradients are wanted (autograd's ``needs_input_grad``; None:
-        all): a kernel that writes none of them is not launched, and its gradients are zeros
-        (frozen attention under a trainable epilogue input needs the row kernel alone)."""
+        all): a kernel that writes none of them is not launched, and the unneeded gradients are
+        None (trainable sink logits under frozen q, k, v need the row kernel alone)."""
         k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
             return self.reference_backward(inputs, grad)
