@@ -1,44 +1,57 @@
-"""Where a first call's time goes: Dynamo, Flashlight's capture and code generation, Triton's
-compile, and the rest, for Flashlight and for FlexAttention on the same program.
+"""Where a first call's time goes: Dynamo, Flashlight's capture and code generation, Inductor,
+Triton's compiles, and the rest, for Flashlight and for FlexAttention on the same program.
 
     python -m benchmarks.first_call --variants causal,document_12 --d 128 [--b 4 --n 4096] [--step]
 
 Each variant runs in a process of its own with empty Triton, Inductor and Flashlight caches
-(every compile is cold, as ``benchmarks.run`` measures first calls), under cProfile; the table
-gives the cumulative seconds of the phases below (a phase inside another counts in both) and
-the wall time of the whole call. cProfile's own overhead inflates Python-heavy phases by ~1.5x:
-compare phases of one run, not these seconds with ``benchmarks.run``'s first-call column.
+(every compile is cold, as ``benchmarks.run`` measures first calls). Columns, in seconds (a phase
+inside another counts in both):
+
+    wall        the whole first call (forward, or forward and backward with --step)
+    dynamo      Dynamo's compiles (bytecode tracing, the backend, guards), its own timers
+    guards      of which building guards
+    backend     of which the backend (Flashlight's, or Inductor for Flex)
+    trace       of which Flashlight's trace to ATen and region search (its own timer)
+    lower       of which Flashlight's verify, rewrite, code generation and module import
+    inductor    Inductor's compiles (inside dynamo, or at the first backward for its graph)
+    triton      Triton's compiles on the calling thread (Flashlight's kernels compile at their
+                first launch, after Dynamo; Inductor's compile in its worker processes, unseen)
+    triton_bg   Triton's compiles on other threads (background kernels; they overlap the call)
+    rest        wall - dynamo - triton: launcher builds, module loads, kernels, waits
+
+Timers, not a profiler: under cProfile, session 14's table on the device (Python 3.12, where
+cProfile runs on ``sys.monitoring``) read 0 in every phase; these timers do not depend on it.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
-# phase -> (file suffix, function name) of the functions whose cumulative time is that phase
-PHASES = {
-    "dynamo": ("torch/_dynamo/convert_frame.py", "_compile"),
-    "backend": ("flashlight/backend.py", "flashlight_backend"),
-    "capture": ("flashlight/backend.py", "fuse"),
-    "inductor": ("torch/_inductor/compile_fx.py", "compile_fx"),
-    "codegen": ("flashlight/backend.py", "lower"),
-    "triton": ("triton/compiler/compiler.py", "compile"),
-}
+PHASES = ("dynamo", "guards", "backend", "trace", "lower", "inductor", "triton", "triton_bg", "rest")
+# Dynamo's timer names (torch._dynamo.utils.compilation_time_metrics, via flashlight._compat)
+DYNAMO = {"dynamo": "_compile.compile_inner", "guards": "build_guards",
+          "backend": "OutputGraph.call_user_compiler", "inductor": "compile_fx_inner"}
 
 
-def cumulative(stats: pstats.Stats) -> dict[str, float]:
-    out = dict.fromkeys(PHASES, 0.0)
-    for (path, _, name), (_, _, _, cum, _) in stats.stats.items():
-        for phase, (suffix, fn) in PHASES.items():
-            if name == fn and path.endswith(suffix):
-                out[phase] = max(out[phase], cum)
-    return out
+class TritonTimes:
+    """Seconds of Triton's compiles (cache misses) on the calling thread and on others, through
+    Triton's compilation listener (``triton.knobs.compilation.listener``)."""
+
+    def __init__(self):
+        self.main, self.other, self.thread = 0.0, 0.0, threading.get_ident()
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if not cache_hit:
+            if threading.get_ident() == self.thread:
+                self.main += times.total / 1e6
+            else:
+                self.other += times.total / 1e6
 
 
 def child(system: str, variant: str, b: int, n: int, d: int, device: str, step: bool = False) -> dict:
@@ -65,14 +78,26 @@ def child(system: str, variant: str, b: int, n: int, d: int, device: str, step: 
         call = with_backward(call, leaves, dout)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
-    prof = cProfile.Profile()
+    from triton import knobs
+
+    from flashlight._compat import dynamo_compile_seconds
+    from flashlight.backend import _LISTENERS
+    triton, reports, before = TritonTimes(), [], dynamo_compile_seconds()
+    knobs.compilation.listener = triton
+    _LISTENERS.append(reports)
     t0 = time.perf_counter()
-    prof.enable()
     with contextlib.nullcontext() if step else torch.no_grad():
         call()
     sync()
-    prof.disable()
-    return {"wall": time.perf_counter() - t0, **cumulative(pstats.Stats(prof))}
+    wall = time.perf_counter() - t0
+    knobs.compilation.listener = None
+    after = dynamo_compile_seconds()
+    row = {"wall": wall, **{k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in DYNAMO.items()},
+           "trace": sum(r.seconds.get("trace", 0.0) for r in reports),
+           "lower": sum(r.seconds.get("lower", 0.0) for r in reports),
+           "triton": triton.main, "triton_bg": triton.other}
+    row["rest"] = wall - row["dynamo"] - row["triton"]
+    return row
 
 
 def main() -> None:

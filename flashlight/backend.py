@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ class GraphReport:
     regions: list = field(default_factory=list)        # runtime.op.CompiledRegion
     fallbacks: list[Fallback] = field(default_factory=list)
     graph: fx.GraphModule | None = None                # what Inductor receives
+    seconds: dict[str, float] = field(default_factory=dict)    # "trace", "lower", "inductor": where the compile went
 
 
 _LISTENERS: list[list[GraphReport]] = []   # explain() collects reports here
@@ -166,12 +168,14 @@ def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
 
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:
     """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op."""
-    report = GraphReport()
+    report, t0 = GraphReport(), time.perf_counter()
     autograd = needs_autograd(gm, example_inputs)
     aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(inference_mode_as_no_grad(gm)).run, example_inputs)
     if autograd:
         mark_gradients(aten_gm.graph, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
+    report.seconds["trace"] = time.perf_counter() - t0
+    report.seconds["lower"] = 0.0
     report.fallbacks += fallbacks
     fused: set[fx.Node] = set()     # nodes a region computes (in-place updates among them)
     renamed: dict[fx.Node, fx.Node] = {}    # an earlier region's outputs: what a later one loads
@@ -180,11 +184,14 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
         differentiated = autograd and any(carries_grad(x) for x in [m.root, *m.rows])
         if autograd and not differentiated:
             m.leaves = detached(aten_gm.graph, m)
+        t0 = time.perf_counter()
         try:
             compiled = lower(m.region, max_autotune)
         except (Unsupported, CodegenError, VerifyError) as e:
             report.fallbacks.append(Fallback(m.root.name, str(m.root.target), str(e), source_line(m.root)))
             continue
+        finally:
+            report.seconds["lower"] += time.perf_counter() - t0
         renamed |= replace(aten_gm.graph, m, compiled.key, differentiated)
         report.regions.append(compiled)
         fused |= m.inner
@@ -247,7 +254,10 @@ def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
         sink.append(report)
     if report.regions and runs_as_is(fused):
         return direct_calls(fused).forward    # the graph's code itself: no nn.Module call (hook checks)
-    return _compat.compile_fx(fused, list(example_inputs))
+    t0 = time.perf_counter()
+    compiled = _compat.compile_fx(fused, list(example_inputs))
+    report.seconds["inductor"] = time.perf_counter() - t0
+    return compiled
 
 
 class PerShape:
