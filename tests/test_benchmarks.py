@@ -1,6 +1,7 @@
 """benchmarks/: exact FLOP counting, and one case of the suite end to end on CPU (interpreter)."""
 import csv
 import math
+import threading
 
 import pytest
 import torch
@@ -133,3 +134,27 @@ def test_backward_config_sweep_times_the_row_kernel_too(tmp_path, monkeypatch):
     rows = list(csv.DictReader(open(tmp_path / "backward_configs_d16.csv")))
     assert [r["kernel"] for r in rows] == ["rows", "rows", "dq", "dq"]
     assert all(float(r["err"]) < 1e-5 and not r["note"] for r in rows)
+
+
+def test_first_call_phases_come_from_timers(monkeypatch):
+    """benchmarks.first_call's columns are timers (Dynamo's, Flashlight's report, Triton's
+    listener), not cProfile's cumulative times, which read 0 on the device's Python 3.12: on the
+    CPU the compile phases are positive, nested ones fit inside their parent, and Triton's
+    listener is counted per thread."""
+    from benchmarks import first_call
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch._dynamo.reset()
+    row = first_call.child("flashlight", "causal", 1, 40, 16, "cpu")
+    assert set(first_call.PHASES) <= set(row)
+    assert row["dynamo"] > 0 and row["backend"] > 0 and row["trace"] > 0 and row["lower"] > 0
+    assert row["trace"] + row["lower"] <= row["backend"] <= row["dynamo"] <= row["wall"]
+    assert row["rest"] == pytest.approx(row["wall"] - row["dynamo"] - row["triton"])
+    times = first_call.TritonTimes()
+    elapsed = type("T", (), {"total": 250_000})()
+    times(src=None, metadata={}, metadata_group={}, times=elapsed, cache_hit=False)
+    times(src=None, metadata={}, metadata_group={}, times=elapsed, cache_hit=True)
+    other = threading.Thread(target=lambda: times(src=None, metadata={}, metadata_group={}, times=elapsed,
+                                                  cache_hit=False))
+    other.start()
+    other.join()
+    assert (times.main, times.other) == (0.25, 0.25)
