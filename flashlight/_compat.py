@@ -92,6 +92,28 @@ def set_grad_enabled_fn():
     return torch._C._set_grad_enabled
 
 
+def data_attr(node) -> bool:
+    """A Dynamo graph node reading ``x.data`` (``torch._C._autograd._get_data_attr``: private,
+    present in 2.11-2.13). Outside the dispatcher, so an ATen trace would freeze its result."""
+    import torch
+    return node.op == "call_function" and node.target is getattr(torch._C._autograd, "_get_data_attr", None)
+
+
+def functorch_transform(node) -> bool:
+    """A Dynamo graph node of a ``torch.func`` transform traced inline (``grad``, ``vjp``,
+    ``vmap``...: ``torch._C._functorch`` / ``torch._functorch`` functions, private)."""
+    if node.op != "call_function":
+        return False
+    module = getattr(node.target, "__module__", None) or ""
+    return module.startswith(("torch._functorch", "torch._C._functorch"))
+
+
+def is_fake(x) -> bool:
+    """A FakeTensor (``torch._subclasses.fake_tensor``): a traced value without data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(x, FakeTensor)
+
+
 def sets_grad_mode(node) -> bool:
     """A Dynamo graph node that switches grad mode (``torch.enable_grad()`` inside the program)."""
     return node.op == "call_function" and node.target is set_grad_enabled_fn()

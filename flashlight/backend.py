@@ -166,11 +166,56 @@ def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def data_as_detach(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with every ``x.data`` read as ``x.detach()``, for tracing: ``.data`` bypasses the
+    dispatcher, so the ATen trace would freeze its result as a constant (a fake tensor at run
+    time). The values and gradients are the same (no gradient flows through either); only
+    ``.data``'s separate version counter is not kept."""
+    if not any(_compat.data_attr(n) for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for n in list(graph.nodes):
+        if _compat.data_attr(n):
+            with graph.inserting_before(n):
+                n.replace_all_uses_with(graph.call_method("detach", (n.args[0],)))
+            graph.erase_node(n)
+    return fx.GraphModule(gm, graph)
+
+
+def trace(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """The ATen graph of ``gm`` (pre-dispatch, on fake copies of ``example_inputs``). Grad mode is
+    restored afterwards whatever the trace did (the graph's own switches run while it traces);
+    a graph whose trace froze a value into a constant without data is refused (``Unsupported``)."""
+    with torch.set_grad_enabled(torch.is_grad_enabled()):
+        aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(data_as_detach(inference_mode_as_no_grad(gm))).run,
+                                               example_inputs)
+    for n in aten_gm.graph.nodes:
+        if n.op == "get_attr" and _compat.is_fake(getattr(aten_gm, n.target, None)):
+            raise Unsupported(f"the trace froze a computed value into a constant ({n.target}): "
+                              "an operation outside the dispatcher")
+    return aten_gm
+
+
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:
-    """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op."""
+    """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op. A
+    graph holding a ``torch.func`` transform is left whole to Inductor (an ATen trace cannot
+    read its wrapped tensors, and a failed one would leave functorch's nesting level raised)."""
     report, t0 = GraphReport(), time.perf_counter()
+    transform = next((n for n in gm.graph.nodes if _compat.functorch_transform(n)), None)
+    if transform is not None:
+        report.fallbacks.append(Fallback(transform.name, getattr(transform.target, "__name__", str(transform.target)),
+                                         "a torch.func transform inside the compiled graph: compiled by Inductor, "
+                                         "unfused", source_line(transform)))
+        report.graph = gm
+        return gm, report
     autograd = needs_autograd(gm, example_inputs)
-    aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(inference_mode_as_no_grad(gm)).run, example_inputs)
+    try:
+        aten_gm = trace(gm, example_inputs)
+    except Unsupported as e:
+        report.fallbacks.append(Fallback("graph", "-", f"{e}: compiled by Inductor, unfused", ""))
+        report.graph = gm
+        return gm, report
     if autograd:
         mark_gradients(aten_gm.graph, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
