@@ -34,7 +34,8 @@ from flashlight.codegen.gluon_backward import tiles_support
 from flashlight.runtime import gluon
 from flashlight.runtime import op as rt
 from flashlight.runtime.backward import compile_gluon_tile
-from flashlight.tune import head_block, rows_config
+from flashlight.runtime.quick import compile_quick
+from flashlight.tune import cdiv, head_block, rows_config
 
 from .configs import parse_config
 
@@ -91,6 +92,13 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     rowstats = torch.empty(c.rowstats_shape, dtype=torch.float32)
     c.launch(inputs, cfg["fwd"])
     found = {"fwd": (fwd.fn, *fwd.launches[0], cfg["fwd"])}
+    quick = c.sparse and compile_quick(c)     # a masked region's first-call kernel (runtime.quick)
+    if quick:
+        qcfg = cfg.get("qfwd", cfg["fwd"])
+        quick.kernel = Recorder(quick.kernel.fn)
+        grid = (cdiv(c.region.M, qcfg.BLOCK_M), math.prod(c.region.batch))
+        quick.launch(c.region, qcfg, True, inputs, c.new_outputs(inputs[0]), rowstats, grid)
+        found["qfwd"] = (quick.kernel.fn, *quick.kernel.launches[0], qcfg)
     if not gluon_support(c.region):       # the Hopper forward (runtime.gluon), with the same arguments
         found["gfwd"] = (rt.compile_gluon(c), tuple(fwd.launches[0][0]), gluon.launch_meta(c.region, inputs, True),
                          "gluon")
@@ -177,8 +185,9 @@ def main() -> None:
     p.add_argument("--h", type=int, default=16)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--kernels", default="fwd,gfwd,rows,dkdv,gdkdv,dq,gdq",
-                   help="gfwd, gdkdv, gdq: the Gluon forward, dK/dV and dQ kernels, where they apply")
+    p.add_argument("--kernels", default="fwd,qfwd,gfwd,rows,dkdv,gdkdv,dq,gdq",
+                   help="qfwd: a masked region's quick-start forward (runtime.quick); gfwd, gdkdv, gdq: the "
+                        "Gluon forward, dK/dV and dQ kernels, where they apply")
     p.add_argument("--config", default="", help="kernel=config pairs, e.g. fwd=128x128w8s3,dkdv=32x64w4s3")
     p.add_argument("--tma", type=int, default=1, help="the TMA constexpr of kernels with descriptor loads (0: off)")
     p.add_argument("--dump", help="write each kernel's Triton source, PTX and SASS here")
