@@ -689,13 +689,22 @@ def region_backward(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor
     then serves regions whose backward reads the output; every gradient is computed).
     ``needed``: which inputs' gradients the graph uses (the others are zeros)."""
     grads = REGISTRY[key].backward(list(inputs), rowstats, out, grad, needed=needed)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]     # the schema: tensors
+    return [unused_gradient(x) if needed is not None and not needed[i] else torch.zeros_like(x) if g is None else g
+            for i, (g, x) in enumerate(zip(grads, inputs))]     # the schema: tensors
+
+
+def unused_gradient(x: torch.Tensor) -> torch.Tensor:
+    """What ``region_backward`` returns for an input whose gradient the graph drops (the schema
+    returns a tensor per input): one zero broadcast to its shape (stride 0), not a memset of
+    its size. The fake implementation returns the same layout (Inductor checks it)."""
+    return x.new_zeros(()).expand(x.shape)
 
 
 @region_backward.register_fake
 def _region_backward_fake(key: str, inputs: list[torch.Tensor], rowstats: torch.Tensor, grad: torch.Tensor,
                           out: torch.Tensor | None = None, needed: list[bool] | None = None) -> list[torch.Tensor]:
-    return [torch.empty_like(x) for x in inputs]     # each gradient in its input's layout
+    return [unused_gradient(x) if needed is not None and not needed[i] else torch.empty_like(x)
+            for i, x in enumerate(inputs)]      # each gradient in its input's layout
 
 
 def _setup_context(ctx, inputs, output):
