@@ -33,7 +33,8 @@ def test_a_bf16_k_against_an_fp32_q_compiles_for_sm90():
 
 # The launcher Flashlight prebuilds on a thread (``_compat.launcher_source``) against the one
 # Triton builds after compiling (``CudaLauncher``: ``make_launcher`` of the compiled kernel's
-# source), for every kernel of a causal training step; and its gcc build, linked without the
+# source), for every kernel of a masked training step (the quick start's forward too); and its gcc
+# build, linked without the
 # driver library this machine lacks.
 LAUNCHERS = textwrap.dedent("""
     import os, tempfile
@@ -50,7 +51,7 @@ LAUNCHERS = textwrap.dedent("""
     c, inputs = capture(VARIANTS["alibi"], 1, 2, 256, 64)
     for name, (fn, args, meta, _) in record(c, inputs, {}).items():
         if name.startswith("g"):
-            continue        # Gluon kernels launch through Triton's own path (descriptors)
+            continue        # Gluon kernels: descriptors, whose launcher needs the compiled kernel (no prebuild)
         if "TMA" in fn.arg_names:
             meta = {**meta, "TMA": False}
         binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -68,4 +69,4 @@ LAUNCHERS = textwrap.dedent("""
 def test_prebuilt_launchers_are_the_ones_triton_builds():
     out = compile_offline("-c", LAUNCHERS)
     assert [line.split()[2] for line in out.splitlines() if line.startswith("same launcher")] == \
-        ["fwd", "rows", "dkdv", "dq"], out
+        ["fwd", "qfwd", "rows", "dkdv", "dq"], out
