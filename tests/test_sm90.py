@@ -34,8 +34,7 @@ def test_a_bf16_k_against_an_fp32_q_compiles_for_sm90():
 # The launcher Flashlight prebuilds on a thread (``_compat.launcher_source``) against the one
 # Triton builds after compiling (``CudaLauncher``: ``make_launcher`` of the compiled kernel's
 # source), for every kernel of a masked training step (the quick start's forward too); and its gcc
-# build, linked without the
-# driver library this machine lacks.
+# build, linked without the driver library this machine lacks.
 LAUNCHERS = textwrap.dedent("""
     import os, tempfile
     from triton.backends.compiler import GPUTarget
