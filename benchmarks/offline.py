@@ -100,7 +100,7 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
         quick.launch(c.region, qcfg, True, inputs, c.new_outputs(inputs[0]), rowstats, grid)
         found["qfwd"] = (quick.kernel.fn, *quick.kernel.launches[0], qcfg)
     if not gluon_support(c.region):       # the Hopper forward (runtime.gluon), with the same arguments
-        found["gfwd"] = (rt.compile_gluon(c), tuple(fwd.launches[0][0]), gluon.launch_meta(c.region, inputs, True),
+        found["gfwd"] = (jit(rt.compile_gluon(c)), tuple(fwd.launches[0][0]), gluon.launch_meta(c.region, inputs, True),
                          "gluon")
     k = c.backward_kernels()
     if k is None:
@@ -114,9 +114,14 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
         found[name] = (rec.fn, *rec.launches[0], cfg[name])
     if not tiles_support(c.region):       # the Hopper tile kernels, with the Triton kernels' arguments
         for kernel, rec in (("dkdv", k.dkdv), ("dq", k.dq)):
-            found[f"g{kernel}"] = (compile_gluon_tile(k, kernel), tuple(rec.launches[0][0]),
+            found[f"g{kernel}"] = (jit(compile_gluon_tile(k, kernel)), tuple(rec.launches[0][0]),
                                    gluon.tile_meta(kernel, c.region, inputs, drows[1]), "gluon")
     return found
+
+
+def jit(kernel):
+    """The ``@triton.jit`` function a runtime kernel (``_compat.FastLaunch``) launches."""
+    return getattr(kernel, "fn", kernel)
 
 
 def compile_sm90(fn, args: tuple, meta: dict):

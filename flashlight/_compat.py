@@ -137,12 +137,18 @@ class FastLaunch:
     constexpr that has a default, is not cached. With a launch hook installed (profilers such as
     proton), every launch goes through Triton. The fast path skips what ``run`` re-checks on
     every call and flashlight never changes: ``pre_run_hooks``, changed globals of the kernel,
-    ``knobs.runtime.debug``."""
+    ``knobs.runtime.debug``.
+
+    Host tensor descriptors among the keyword arguments (the Gluon kernels' Q, K, V, dO tiles:
+    new objects every call) key by everything they hold but the address (its alignment
+    instead, ``_descriptor_key``), and are passed to the launcher on every call (it encodes
+    each into a TMA descriptor then, as ``run`` does)."""
 
     def __init__(self, fn, current=None):
         self.fn = fn
         self.kernels: dict = {}
         self.parts = None       # (tensor arguments, scalar arguments) getters, from the first launch
+        self.descriptors = ()   # keyword arguments that are host tensor descriptors (first launch)
         self.runtime = None     # triton.knobs.runtime (its launch hooks)
         self.current = current  # (get_current_device, get_current_stream); default Triton's driver's
 
@@ -154,6 +160,7 @@ class FastLaunch:
             from triton import knobs
             from triton.runtime.driver import driver
             self.parts, self.runtime = _parts(args), knobs.runtime
+            self.descriptors = tuple(name for name, value in meta.items() if _is_descriptor(value))
             self.current = self.current or (driver.active.get_current_device, driver.active.get_current_stream)
             prebuild_launcher(self.fn, args, meta)
         tensors, scalars = self.parts
@@ -161,22 +168,56 @@ class FastLaunch:
         values = scalars(args)
         kinds = tuple(map(type, values))    # 1, True and 1.0 hash alike; Triton types them apart
         try:
-            key = (device, tuple(meta.items()), values, kinds,
-                   tuple([(t.dtype, t.data_ptr() & 15) for t in tensors(args)]))
-        except AttributeError:      # not the argument kinds of the first launch: Triton decides
+            items = tuple(meta.items()) if not self.descriptors else \
+                tuple((k, _descriptor_key(v) if k in self.descriptors else v) for k, v in meta.items())
+            key = (device, items, values, kinds, tuple([(t.dtype, t.data_ptr() & 15) for t in tensors(args)]))
+            hit = self.kernels.get(key)
+        except (AttributeError, TypeError):     # not the argument kinds of the first launch: Triton decides
             return self.fn[grid](*args, **meta)
-        hit = self.kernels.get(key)
         if hit is None or _hooked(self.runtime.launch_enter_hook) or _hooked(self.runtime.launch_exit_hook):
             kernel = self.fn[grid](*args, **meta)
             names = self.fn.arg_names[len(args):]
             if (hasattr(kernel, "packed_metadata")          # a CompiledKernel (None when only warming up)
                     and all(n in meta for n in names) and not any(issubclass(k, _tensor()) for k in kinds)):
-                self.kernels[key] = (kernel, [meta[n] for n in names])
+                self.kernels[key] = (kernel, names if self.descriptors else [meta[n] for n in names])
             return kernel
         kernel, constexprs = hit
+        if self.descriptors:        # this call's descriptors (and constexprs), in signature order
+            constexprs = [meta[n] for n in constexprs]
         kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, self.current[1](device),
                    kernel.function, kernel.packed_metadata, None, None, None, *args, *constexprs)
         return kernel
+
+
+def _is_descriptor(x) -> bool:
+    """A host tensor descriptor (Triton's and Gluon's ``TensorDescriptor``: a base tensor, its
+    shape and strides, a block shape)."""
+    return all(hasattr(x, a) for a in ("base", "shape", "strides", "block_shape"))
+
+
+class _Same:
+    """Keys an object by identity, holding it (so its id cannot be reused while the key lives):
+    a shared-memory layout, unhashable (a frozen dataclass with a list field) and cached by
+    whoever makes descriptors, so the same object comes back every call."""
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+def _descriptor_key(d) -> tuple:
+    """What a descriptor argument specialises a launch on, and more: the base's dtype and address
+    alignment, shape, strides, block shape, layout (by identity: an equal layout made anew only
+    misses) and padding; never the address, which the launcher reads every call."""
+    base = d.base
+    return (type(d), base.dtype, base.data_ptr() & 15, tuple(d.shape), tuple(d.strides), tuple(d.block_shape),
+            _Same(getattr(d, "layout", None)), getattr(d, "padding", None))
 
 
 def launcher_source(fn, backend, binder, args, meta) -> str | None:

@@ -430,6 +430,52 @@ def test_fast_launch_reuses_a_kernel_only_for_the_same_specialisation():
     assert len(fn.compiled) == before + 6
 
 
+class _Descriptor:
+    """A host tensor descriptor's surface (Triton's and Gluon's ``TensorDescriptor``)."""
+
+    def __init__(self, base, block_shape, layout, rows=None):
+        self.base, self.block_shape, self.layout, self.padding = base, block_shape, layout, "zero"
+        self.shape, self.strides = [rows or base.shape[0], base.shape[1]], [base.stride(0), 1]
+
+
+def test_fast_launch_passes_each_calls_own_descriptors():
+    """Gluon kernels take host tensor descriptors as keyword arguments, new objects every call:
+    they key the launch by what they hold but the address (dtype, alignment, shape, strides,
+    block shape, the layout object), and the launcher gets the current call's descriptors, in
+    signature order, with the constexprs — never the first call's (its base would be stale)."""
+    from flashlight._compat import FastLaunch
+
+    class Fn(_JitFn):
+        arg_names = ["x_ptr", "n", "k_desc", "BLOCK", "v_desc"]
+    fn, layout = Fn(), object()
+    k = FastLaunch(fn, current=(lambda: 0, lambda dev: "stream"))
+    x = torch.zeros(64, dtype=torch.bfloat16)
+
+    def launch(kd, vd, n=64, block=16):
+        k[(2,)](x, n, k_desc=kd, BLOCK=block, v_desc=vd, num_warps=4)
+    a, b = torch.zeros(128, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
+    launch(_Descriptor(a, [64, 64], layout), _Descriptor(b, [64, 64], layout))
+    kd, vd = _Descriptor(b, [64, 64], layout), _Descriptor(a, [64, 64], layout)   # other tensors, same layouts
+    launch(kd, vd)
+    assert len(fn.compiled) == 1 and len(fn.compiled[0].launches) == 2
+    _, _, _, _, _, _, *rest = fn.compiled[0].launches[1]
+    assert rest[:3] == [None, None, None] and len(rest) == 8
+    assert rest[3] is x and rest[4] == 64 and rest[5] is kd and rest[6] == 16 and rest[7] is vd
+    c = torch.zeros(256, 64, dtype=torch.bfloat16)
+    for changed in [(_Descriptor(a, [128, 64], layout), vd),              # block shape
+                    (_Descriptor(c[::2], [64, 64], layout), vd),          # strides
+                    (_Descriptor(a, [64, 64], layout, rows=64), vd),      # shape
+                    (_Descriptor(a.float(), [64, 64], layout), vd),       # dtype
+                    (_Descriptor(a, [64, 64], object()), vd)]:            # another layout object
+        before = len(fn.compiled)
+        launch(*changed)
+        assert len(fn.compiled) == before + 1, changed
+    before = len(fn.compiled)
+    launch(kd, vd, block=32)                # a constexpr still keys it
+    launch(kd, vd)
+    assert len(fn.compiled) == before + 1
+
+
 def test_fast_launch_prebuilds_the_launcher_once_before_the_first_compile(monkeypatch):
     """The first launch hands its arguments to ``prebuild_launcher`` (gcc builds Triton's
     launcher on a thread while the kernel compiles: tests/test_sm90.py checks it is the same

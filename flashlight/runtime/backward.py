@@ -245,7 +245,7 @@ class BackwardKernels:
 
 
 def compile_gluon_tile(k: BackwardKernels, kernel: str):
-    """The region's Gluon ``kernel`` ("dkdv", "dq"; ``codegen.gluon_backward``), or None. Its
+    """The region's Gluon ``kernel`` ("dkdv", "dq"; ``codegen.gluon_backward``; a ``FastLaunch``), or None. Its
     scan reads the same block statistics as the Triton kernel's (checked here)."""
     placeholder = f"fl_g{kernel}"
     try:
@@ -258,7 +258,7 @@ def compile_gluon_tile(k: BackwardKernels, kernel: str):
         return None         # the Triton kernel serves
     name = f"{placeholder}_{source_hash(source)}"
     module, _ = load_module(name, source.replace(placeholder, name))
-    return getattr(module, name)
+    return _compat.fast_launch(getattr(module, name), op.interpreting())
 
 
 def compile_gluon_tile_for(k: BackwardKernels, kernel: str, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor):

@@ -562,7 +562,7 @@ def compile_region(region: Region) -> CompiledRegion:
 
 
 def compile_gluon(c: CompiledRegion):
-    """The region's Gluon forward kernel (``codegen.gluon``), or None where it has none. Its
+    """The region's Gluon forward kernel (``codegen.gluon``; a ``FastLaunch``), or None where it has none. Its
     block scan reads the same statistics as the Triton kernel's (``c.stats``: the generators
     derive both from the region the same way; checked here)."""
     if gluon_support(c.region):
@@ -578,7 +578,7 @@ def compile_gluon(c: CompiledRegion):
         return None         # the Triton kernel serves: a fused region never fails for want of Gluon
     name = f"fl_gfwd_{source_hash(source)}"
     module, _ = load_module(name, source.replace(placeholder, name))
-    return getattr(module, name)
+    return fast_launch(getattr(module, name), interpreting())     # descriptors and all (_compat.FastLaunch)
 
 
 def compile_gluon_for(c: CompiledRegion, args: list, inputs: list[torch.Tensor], stats: bool):
