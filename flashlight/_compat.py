@@ -99,13 +99,21 @@ def data_attr(node) -> bool:
     return node.op == "call_function" and node.target is getattr(torch._C._autograd, "_get_data_attr", None)
 
 
-def functorch_transform(node) -> bool:
-    """A Dynamo graph node of a ``torch.func`` transform traced inline (``grad``, ``vjp``,
-    ``vmap``...: ``torch._C._functorch`` / ``torch._functorch`` functions, private)."""
+def untraceable(node) -> str:
+    """Why an ATen trace of a Dynamo graph holding ``node`` would not compute what the graph
+    does, or "". A ``torch.func`` transform traced inline (``torch._C._functorch`` /
+    ``torch._functorch`` functions: the trace cannot read its wrapped tensors, and a trace
+    failing halfway leaves functorch's nesting raised); a higher-order op
+    (``torch._ops.HigherOrderOperator``: a tensor hook, a user ``autograd.Function``,
+    activation checkpointing...), whose backward or side effect the trace drops, running its
+    forward body alone."""
+    from torch._ops import HigherOrderOperator
     if node.op != "call_function":
-        return False
+        return ""
+    if isinstance(node.target, HigherOrderOperator):
+        return f"the higher-order op {node.target.name()}"
     module = getattr(node.target, "__module__", None) or ""
-    return module.startswith(("torch._functorch", "torch._C._functorch"))
+    return "a torch.func transform" if module.startswith(("torch._functorch", "torch._C._functorch")) else ""
 
 
 def is_fake(x) -> bool:

@@ -199,16 +199,17 @@ def trace(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
 
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:
     """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op. A
-    graph holding a ``torch.func`` transform is left whole to Inductor (an ATen trace cannot
-    read its wrapped tensors, and a failed one would leave functorch's nesting level raised)."""
+    graph the ATen trace would not reproduce (``_compat.untraceable``: a ``torch.func``
+    transform, a tensor hook, a user ``autograd.Function``...) is left whole to Inductor."""
     report, t0 = GraphReport(), time.perf_counter()
-    transform = next((n for n in gm.graph.nodes if _compat.functorch_transform(n)), None)
-    if transform is not None:
-        report.fallbacks.append(Fallback(transform.name, getattr(transform.target, "__name__", str(transform.target)),
-                                         "a torch.func transform inside the compiled graph: compiled by Inductor, "
-                                         "unfused", source_line(transform)))
-        report.graph = gm
-        return gm, report
+    for n in gm.graph.nodes:
+        why = _compat.untraceable(n)
+        if why:
+            report.fallbacks.append(Fallback(n.name, getattr(n.target, "__name__", str(n.target)),
+                                             f"{why} inside the compiled graph: the graph is compiled by Inductor, "
+                                             "unfused", source_line(n)))
+            report.graph = gm
+            return gm, report
     autograd = needs_autograd(gm, example_inputs)
     try:
         aten_gm = trace(gm, example_inputs)

@@ -353,7 +353,31 @@ def _func_grad_inside(q, k, v, b):
     return attention(q, k, v, b) + g
 
 
-UNFUSED = (_scaled_in_place_under_no_grad, _func_grad_inside)     # fall back, with eager's gradients
+def _hook_inside(q, k, v, b):
+    """A tensor hook inside the program (the ATen trace dropped it: its gradient was missing)."""
+    h = q * 1.0
+    h.register_hook(lambda g: g * 3.0)
+    return attention(h, k, v, b)
+
+
+class _ReverseGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return -2.0 * g
+
+
+def _autograd_function_inside(q, k, v, b):
+    """A user autograd.Function (the trace ran its forward under no_grad and read it as a
+    stopped gradient: q got none)."""
+    return attention(_ReverseGradient.apply(q), k, v, b) + _ReverseGradient.apply(attention(q, k, v, b))
+
+
+UNFUSED = (_scaled_in_place_under_no_grad, _func_grad_inside, _hook_inside, _autograd_function_inside)
+# ^ fall back, with eager's gradients
 
 
 @pytest.mark.parametrize("fn", _stopped_programs() + list(UNFUSED), ids=lambda f: f.__name__)
@@ -364,7 +388,7 @@ def test_a_stopped_gradient_stays_stopped_inside_a_region(fn, trained):
     view and through the no_grad block, and gave their inputs gradients they do not have; a
     region no gradient reached crashed Inductor's tracing or kept a backward). Every input's
     gradient, absent ones as zeros, matches float64 eager, with every input trained and with q
-    alone; each program but the in-place one and torch.func's (which fall back) is fused (a product of
+    alone; each program but those in UNFUSED (which fall back) is fused (a product of
     detached scores alone is not a region: it has no score contraction)."""
     g = torch.Generator().manual_seed(4)
     xs = [torch.randn(1, 2, 37, 16, generator=g) for _ in range(3)] + [torch.randn(37, 37, generator=g)]
