@@ -393,6 +393,19 @@ class CompiledRegion:
             compile_backward(self)
         return self.bwd_kernel
 
+    def differentiable_backward(self, inputs: Sequence[torch.Tensor], grad: torch.Tensor,
+                                needed: Sequence[bool]) -> list[torch.Tensor | None]:
+        """The gradients of a backward under ``create_graph=True`` (a gradient penalty, a
+        Hessian-vector product): the reference program's, recomputed from the saved inputs with
+        autograd recording, so a second backward differentiates them exactly (the kernels' are
+        constants to autograd: their second-order terms would silently be zero). Materialises
+        the scores, as eager does; None for inputs not ``needed``."""
+        wanted = [x for x, want in zip(inputs, needed) if want]
+        with torch.enable_grad():
+            out = evaluate(self.region, list(inputs))
+            got = iter(torch.autograd.grad(out, wanted, grad.to(out.dtype), create_graph=True, allow_unused=True))
+        return [next(got) if want else None for want in needed]
+
     def reference_backward(self, inputs: list[torch.Tensor], grad: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
         """Vector-Jacobian product of the reference evaluator. ``torch.func.vjp`` rather than
         ``torch.autograd.grad``: a custom op's implementation runs below the autograd key.
@@ -666,12 +679,13 @@ class RegionFunction(torch.autograd.Function):
         return out, rowstats
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad, _grad_rowstats):
         *tensors, rowstats, out = ctx.saved_tensors
         if grad is None:        # the output did not reach the loss
             return None, *[None] * len(tensors)
         needed = ctx.needs_input_grad[1:]
+        if torch.is_grad_enabled():     # create_graph=True: these gradients are differentiated in turn
+            return None, *REGISTRY[ctx.key].differentiable_backward(tensors, grad, needed)
         grads = REGISTRY[ctx.key].backward(tensors, rowstats, out, grad, ctx.block_stats, needed)
         return None, *[g if want else None for g, want in zip(grads, needed)]
 
