@@ -116,6 +116,30 @@ def untraceable(node) -> str:
     return "a torch.func transform" if module.startswith(("torch._functorch", "torch._C._functorch")) else ""
 
 
+def data_dependent(e: BaseException) -> bool:
+    """A fake-tensor trace stopped at a value it cannot know (``.item()``, a data-dependent
+    shape: ``torch._subclasses.fake_tensor.DataDependentOutputException`` and
+    ``torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode``, private)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    return isinstance(e, DataDependentOutputException | GuardOnDataDependentSymNode)
+
+
+def origins(node) -> set[str]:
+    """Names of the Dynamo graph nodes an ATen node was traced from (``node.meta["from_node"]``,
+    kept by ``preserve_node_meta``: ``NodeSource`` objects, or ``(name, target)`` pairs in
+    ``source_fn_stack``)."""
+    names = set()
+    for entry in node.meta.get("from_node") or []:
+        name = getattr(entry, "name", None)
+        if isinstance(name, str):
+            names.add(name)
+    for entry in node.meta.get("source_fn_stack") or []:
+        if isinstance(entry, tuple) and entry and isinstance(entry[0], str):
+            names.add(entry[0])
+    return names
+
+
 def is_fake(x) -> bool:
     """A FakeTensor (``torch._subclasses.fake_tensor``): a traced value without data."""
     from torch._subclasses.fake_tensor import FakeTensor

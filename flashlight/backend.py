@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import _compat
-from .capture import Fallback, Match, Unsupported, carries_grad, find_regions, mark_gradients, source_line
+from .capture import Fallback, Match, Unsupported, sdpa, carries_grad, find_regions, mark_gradients, source_line
 from .capture.symbolic import CARRIES
 from .codegen import CodegenError
 from .ir import Region, VerifyError, verify
@@ -183,24 +183,86 @@ def data_as_detach(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def trace(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
-    """The ATen graph of ``gm`` (pre-dispatch, on fake copies of ``example_inputs``). Grad mode is
-    restored afterwards whatever the trace did (the graph's own switches run while it traces);
-    a graph whose trace froze a value into a constant without data is refused (``Unsupported``)."""
+# Tensor arithmetic that takes a 0-d tensor where it took a Python number, with the same result
+# dtype when the other operand has dims (a 0-d operand does not take part in type promotion).
+SCALAR_ARITHMETIC = {operator.mul, operator.truediv, operator.add, operator.sub, torch.mul, torch.div, torch.add,
+                     torch.sub}
+
+
+def items_as_tensors(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with each ``t.item()`` whose value only scales, shifts or divides tensors (directly,
+    or through arithmetic with Python numbers: ``s * (1.0 / t.item())``) read as the 0-d tensor
+    ``t`` itself (in float32 if floating: the precision the Python number had in the
+    arithmetic). Dynamo lifts a Python float argument that changed between calls (automatic
+    dynamic: a temperature, a scale) to a 0-d tensor read with ``.item()``, which a trace on
+    fake tensors cannot follow: the region then reads ``t`` (a scalar load) and the value may
+    change at every call without a recompile."""
+    def value(x):
+        return x.meta.get("example_value") if isinstance(x, fx.Node) else None
+
+    def scalar_only(n: fx.Node, scalars: set) -> bool:
+        """Every use of the scalar ``n`` is arithmetic with a number (itself such a scalar,
+        collected in ``scalars``) or with a tensor that has dims."""
+        scalars.add(n)
+        for user in n.users:
+            if user.op != "call_function" or user.target not in SCALAR_ARITHMETIC or user.kwargs or len(user.args) != 2:
+                return False
+            (other,) = [a for a in user.args if a is not n] or [n]
+            if isinstance(other, (int, float)) or other in scalars:
+                if user not in scalars and not scalar_only(user, scalars):
+                    return False
+            elif not (isinstance(value(other), torch.Tensor) and value(other).dim() > 0):
+                return False
+        return True
+
+    def rewritable(n: fx.Node) -> bool:
+        t = value(n.args[0]) if n.args else None
+        return (n.op == "call_method" and n.target == "item" and isinstance(t, torch.Tensor) and t.dim() == 0
+                and scalar_only(n, set()))
+    items = [n for n in gm.graph.nodes if rewritable(n)]
+    if not items:
+        return gm
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    for n in items:
+        item, t = env[n], env[n.args[0]]
+        with graph.inserting_before(item):
+            scalar = graph.call_method("float", (t,)) if value(n.args[0]).is_floating_point() else t
+        item.replace_all_uses_with(scalar)
+        graph.erase_node(item)
+    return fx.GraphModule(gm, graph)
+
+
+def trace(gm: fx.GraphModule, example_inputs, keep_sdpa: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, list[str]]:
+    """The ATen graph of ``gm`` (pre-dispatch, on fake copies of ``example_inputs``), and the
+    SDPA calls traced as their program (``capture.sdpa``; those named in ``keep_sdpa`` stay
+    SDPA). Grad mode is restored afterwards whatever the trace did (the graph's own switches run
+    while it traces); a graph whose trace froze a value into a constant without data is
+    refused (``Unsupported``)."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):
-        aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(data_as_detach(inference_mode_as_no_grad(gm))).run,
-                                               example_inputs)
+        traceable, rewritten = sdpa.as_math(items_as_tensors(data_as_detach(inference_mode_as_no_grad(gm))), keep_sdpa)
+        try:
+            aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(traceable).run, example_inputs)
+        except Exception as e:
+            if _compat.data_dependent(e):
+                raise Unsupported("a value read with .item() (a Python number argument that changed between "
+                                  "calls is lifted to a tensor) feeds an operation the trace cannot follow") from e
+            raise
     for n in aten_gm.graph.nodes:
         if n.op == "get_attr" and _compat.is_fake(getattr(aten_gm, n.target, None)):
             raise Unsupported(f"the trace froze a computed value into a constant ({n.target}): "
                               "an operation outside the dispatcher")
-    return aten_gm
+    return aten_gm, rewritten
 
 
-def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tuple[fx.GraphModule, GraphReport]:
+def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
+         keep_sdpa: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, GraphReport]:
     """Trace ``gm`` on concrete ``example_inputs`` and swap every fusable region for the op. A
     graph the ATen trace would not reproduce (``_compat.untraceable``: a ``torch.func``
-    transform, a tensor hook, a user ``autograd.Function``...) is left whole to Inductor."""
+    transform, a tensor hook, a user ``autograd.Function``...) is left whole to Inductor. An
+    SDPA call traced as its program (``capture.sdpa``) that does not fuse whole is traced again
+    as SDPA (``keep_sdpa``), its reasons kept."""
     report, t0 = GraphReport(), time.perf_counter()
     for n in gm.graph.nodes:
         why = _compat.untraceable(n)
@@ -210,9 +272,14 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
                                              "unfused", source_line(n)))
             report.graph = gm
             return gm, report
+    for n in sdpa.sdpa_calls(gm):
+        why = "its program did not fuse (the reasons above): SDPA's own kernels serve it" if n.name in keep_sdpa \
+            else sdpa.why_kept(n)
+        if why:
+            report.fallbacks.append(Fallback(n.name, "scaled_dot_product_attention", why, source_line(n)))
     autograd = needs_autograd(gm, example_inputs)
     try:
-        aten_gm = trace(gm, example_inputs)
+        aten_gm, rewritten = trace(gm, example_inputs, keep_sdpa)
     except Unsupported as e:
         report.fallbacks.append(Fallback("graph", "-", f"{e}: compiled by Inductor, unfused", ""))
         report.graph = gm
@@ -241,6 +308,18 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False) -> tupl
         renamed |= replace(aten_gm.graph, m, compiled.key, differentiated)
         report.regions.append(compiled)
         fused |= m.inner
+    if rewritten and report.regions:
+        # an SDPA call traced as its program that left unfused math behind goes back to SDPA
+        aten_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() and n not in fused)
+        unfused = {name for node in aten_gm.graph.nodes if node.op == "call_function" and node.target not in VIEWS
+                   and getattr(node.target, "namespace", "") != "flashlight"   # views of q, k, v may feed a region
+                   for name in _compat.origins(node) if name in rewritten}
+    else:
+        unfused = set(rewritten)
+    if unfused:
+        again, retried = fuse(gm, example_inputs, max_autotune, keep_sdpa | unfused)
+        retried.fallbacks[:0] = report.fallbacks        # this attempt's reasons first
+        return again, retried
     if not report.regions:
         report.graph = gm
         return gm, report
@@ -335,12 +414,18 @@ def flashlight_backend(gm: fx.GraphModule, example_inputs, mode: str | None = No
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
         # probe on the example (hint) values: a graph with nothing to fuse keeps Inductor's
-        # single dynamic-shape compile instead of one compile per shape
+        # single dynamic-shape compile instead of one compile per shape (explain() gets the
+        # probe's reasons); a probe that fails falls back the same way
         try:
             _, probe = fuse(gm, [_compat.concrete(x) for x in example_inputs])
-        except Exception:  # noqa: BLE001 — a failed probe only costs the single dynamic compile
-            return PerShape(gm, tune)
+        except Exception as e:  # noqa: BLE001 — never break a program eager runs
+            if os.environ.get("FLASHLIGHT_STRICT") == "1":
+                raise
+            probe = GraphReport(fallbacks=[Fallback("graph", "-", f"internal error, compiled without fusion: "
+                                                    f"{type(e).__name__}: {e}", "")], graph=gm)
         if probe.regions:
             return PerShape(gm, tune)
+        for sink in _LISTENERS:
+            sink.append(probe)
         return _compat.compile_fx(gm, list(example_inputs))
     return _compile(gm, example_inputs, tune)

@@ -1,5 +1,6 @@
 """Runtime: autograd through the fused op, fp64 gradcheck, call-time errors, kernel cache,
 and isolation from programs compiled with the default backend."""
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -803,3 +804,63 @@ def test_a_backward_that_fails_to_generate_fails_the_backward_not_the_forward(mo
         assert not c.bwd_compiled and c.bwd_kernel is None
         with pytest.raises(RuntimeError, match="generator broke"):
             out.sum().backward()
+
+
+def test_a_float_argument_that_changes_between_calls_keeps_fusing():
+    """A temperature passed as a Python float: after it changes, Dynamo lifts it to a 0-d tensor
+    read with ``.item()`` (automatic dynamic), which a trace on fake tensors cannot follow, so
+    every later call ran unfused. The region now reads the 0-d tensor (``items_as_tensors``):
+    every call launches the kernel, each with its own temperature, with no recompile after the
+    second, also through Python arithmetic on the number (its reciprocal). A use the rewrite
+    does not cover (``math.sqrt``) falls back, and stays exact."""
+    from flashlight.backend import _LISTENERS
+    from flashlight.runtime import op
+
+    def scaled(q, k, v, t):
+        return torch.softmax(q @ k.transpose(-1, -2) * t, -1) @ v
+
+    def reciprocal(q, k, v, t):
+        return torch.softmax(q @ k.transpose(-1, -2) * (1.0 / t) - t * 2, -1) @ v
+
+    def root(q, k, v, t):
+        return torch.softmax(q @ k.transpose(-1, -2) * math.sqrt(t), -1) @ v
+    xs = causal.make_inputs(B=1, H=2, M=21, D=16)
+    for fn, fused in ((scaled, True), (reciprocal, True), (root, False)):
+        torch.compiler.reset()
+        reports = []
+        _LISTENERS.append(reports)
+        try:
+            fast = torch.compile(fn, backend="flashlight")
+            for t in (0.25, 0.5, 0.3, 2.0):
+                before = sum(c.launches for c in op.REGISTRY.values())
+                assert rel_error(fast(*xs, t), fn(*(to64(x) for x in xs), t)) < 1e-3
+                assert sum(c.launches for c in op.REGISTRY.values()) - before == (1 if fused or t == 0.25 else 0)
+        finally:
+            _LISTENERS.remove(reports)
+        assert len(reports) == 2, reports       # the constant, then the lifted argument
+        assert bool(reports[1].regions) == fused
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_dynamic_shapes_with_a_module_float_attribute(training):
+    """dynamic=True lifts a module's float attribute (nn.Dropout's p) to a 0-d tensor read with
+    ``.item()`` inside the dropout: it crashed (the probe's failure compiled each shape with
+    concrete inputs through Inductor). Now it runs, eval mode exact, training mode dropping
+    about p of the output — p read at every call (changing it needs no recompile)."""
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, q, k, v):
+            return self.drop(causal.attention(q, k, v))
+    layer = Layer().train(training)
+    fast = torch.compile(layer, backend="flashlight", dynamic=True)
+    for n, p in ((19, 0.5), (33, 0.9)):
+        layer.drop.p = p
+        xs = causal.make_inputs(B=2, H=2, M=n, D=16)
+        out = fast(*xs)
+        if training:
+            assert abs((out == 0).float().mean().item() - p) < 0.05
+        else:
+            assert rel_error(out, causal.attention(*(to64(x) for x in xs))) < 1e-3

@@ -98,8 +98,9 @@ class CompiledRegion:
             raise RuntimeError(f"{self.name}: inputs on several devices: {sorted(map(str, devices))}")
 
     def uses_kernel(self, inputs: list[torch.Tensor]) -> bool:
-        if compute_dtype(inputs) == torch.float64:
-            return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path
+        if compute_dtype([x for x in inputs if x.dim()]) == torch.float64:
+            return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path (a float64
+            # scalar, a Python float Dynamo lifted, promotes nothing: torch's rule for 0-d tensors)
         return inputs[0].is_cuda or interpreting()
 
     @functools.cached_property
