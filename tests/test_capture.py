@@ -171,3 +171,24 @@ def test_a_mask_written_through_a_view_is_read_as_written():
         assert rel_error(out, reference(fn, q, k, v)) < 1e-4, fn.__name__
     report = flashlight.explain(masked, q, k, v)
     assert len(report.regions) == 1 and "tril" in report.regions[0].ir     # the mask, loaded
+
+
+def test_stacked_layers_fuse_without_spurious_reasons():
+    """Two pre-norm layers: both attentions fuse, and explain() gives no reason for the second
+    layer's q @ k^T (it reached the first layer's softmax through its P @ V and a projection,
+    and was reported as an attention product that failed to fuse)."""
+    g = torch.Generator().manual_seed(5)
+    w = [torch.randn(32, 32, generator=g) / 6 for _ in range(4)]
+
+    def layer(x, wq, wk):
+        h = F.layer_norm(x, (32,))
+        q, k, v = (t.unflatten(-1, (2, 16)).transpose(1, 2) for t in (h @ wq, h @ wk, h))
+        o = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+        return x + o.transpose(1, 2).flatten(-2)
+
+    def two_layers(x, w0, w1, w2, w3):
+        return layer(layer(x, w0, w1), w2, w3)
+    x = torch.randn(2, 24, 32, generator=g)
+    report = flashlight.explain(two_layers, x, *w)
+    assert len(report.regions) == 2 and not report.fallbacks, report
+    assert rel_error(torch.compile(two_layers, backend="flashlight")(x, *w), reference(two_layers, x, *w)) < 1e-3

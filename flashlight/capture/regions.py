@@ -91,6 +91,9 @@ def _is_attention(b: Builder) -> bool:
 
 
 def _looks_like_attention(node: fx.Node, depth: int = 12) -> bool:
+    """Does a softmax feed the product's first operand (a P @ V worth a reason in explain())?
+    Not through another product: in stacked layers, the next layer's q @ k^T reaches the last
+    layer's softmax only through its P @ V and a projection."""
     frontier, seen = list(_operands(node)[:1]), set()
     while frontier and depth:
         depth -= 1
@@ -101,7 +104,8 @@ def _looks_like_attention(node: fx.Node, depth: int = 12) -> bool:
             seen.add(x)
             if packet(x) in SOFTMAX_LIKE:
                 return True
-            nxt.extend(a for a in x.all_input_nodes)
+            if packet(x) not in CONTRACTIONS:
+                nxt.extend(a for a in x.all_input_nodes)
         frontier = nxt
     return False
 
