@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import flashlight
 from flashlight.testing import reference, rel_error
-from helpers import check_fused
+from helpers import check_fused, check_grads
 
 B, H, M, N, D = 2, 2, 21, 35, 16
 
@@ -192,3 +192,26 @@ def test_stacked_layers_fuse_without_spurious_reasons():
     report = flashlight.explain(two_layers, x, *w)
     assert len(report.regions) == 2 and not report.fallbacks, report
     assert rel_error(torch.compile(two_layers, backend="flashlight")(x, *w), reference(two_layers, x, *w)) < 1e-3
+
+
+def _bloom(q, k, v, alibi):
+    """BLOOM's attention: the scores by ``torch.baddbmm`` with the ALiBi bias as its input, over
+    heads flattened into the batch."""
+    B, H, M, D = q.shape
+    N = k.shape[-2]
+    scores = torch.baddbmm(alibi, q.reshape(B * H, M, D), k.reshape(B * H, N, D).transpose(1, 2),
+                           beta=0.5, alpha=D ** -0.5)
+    p = torch.softmax(scores.view(B, H, M, N), -1)
+    return torch.bmm(p.view(B * H, M, N), v.reshape(B * H, N, D)).view(B, H, M, D)
+
+
+def test_baddbmm_scores_fuse_with_their_bias():
+    """``baddbmm(bias, q, k^T, beta, alpha)`` (BLOOM) is a score contraction plus a bias: one
+    region; forward and the gradients of q, k, v and the bias table against float64."""
+    g = torch.Generator().manual_seed(8)
+    B, H, N, D = 2, 4, 37, 16
+    q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)])
+    alibi = (slopes[:, None] * torch.arange(N)[None, :]).repeat(B, 1)[:, None, :].contiguous()    # [B*H, 1, N]
+    check_fused(_bloom, q, k, v, alibi)
+    check_grads(_bloom, [q, k, v, alibi])

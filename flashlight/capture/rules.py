@@ -520,6 +520,26 @@ def _matmul(b, node, x, y):
     return contraction(b, node, b.sym(x), b.sym(y))
 
 
+def _baddbmm(b, node, inp, x, y, beta=1, alpha=1):
+    """``beta * inp + alpha * (x @ y)``: BLOOM's scores, its ALiBi bias as ``inp``. A score
+    tile adds the bias to the region's dot; elsewhere the node is computed outside the kernel."""
+    prod = contraction(b, node, b.sym(x), b.sym(y))
+    if prod is None:
+        return None
+    si, shape, kind = b.sym(inp), out_shape(node), kind_of(meta(node).dtype)
+
+    def f(idx):
+        p = prod(idx)
+        if p.op == "red":
+            raise Unsupported("baddbmm as the P @ V product", node)
+        if p.op != "dot":
+            return p            # the node itself, loaded
+        scaled = p if alpha == 1 else call("mul", p, const(alpha))
+        bias = si(align(idx, shape, si.shape))
+        return coerce(call("add", bias if beta == 1 else call("mul", bias, const(beta)), scaled), kind)
+    return Sym(shape, kind, f)
+
+
 def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] | None:
     """(a, c, contracted, rows + cols order, ``order``) of a two-operand einsum with one
     contracted letter, one output letter only in ``a`` (rows) and one only in ``c`` (cols):
@@ -643,7 +663,7 @@ RULES.update({
     aten.log_softmax: _log_softmax, aten._log_softmax: _log_softmax,
     aten.amax: _amax, aten.sum: _sum, aten.mean: _mean, aten.logsumexp: _logsumexp,
     # contractions
-    aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum,
+    aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum, aten.baddbmm: _baddbmm,
 })
 RULES[operator.getitem] = _split_item
 RULES.update({inplace: _inplace(op) for inplace, op in INPLACE.items()})
