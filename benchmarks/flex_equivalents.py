@@ -138,6 +138,7 @@ FLEX = {
     "sliding_window": _sliding_window,
     "prefix_lm": _prefix_lm,
     "document_mask": _document_mask,
+    "sdpa_document": _document_mask,        # the same mask, spelled with SDPA
     "alibi": _alibi,
     "softcap": _softcap_fn,
     "gqa": _gqa,
@@ -146,7 +147,7 @@ FLEX = {
 }
 
 # Masks that read per-batch data (block mask built with B=batch); all others use B=H=None.
-BATCH_DEPENDENT = {"document_mask", "key_padding"}
+BATCH_DEPENDENT = {"document_mask", "key_padding", "sdpa_document"}
 
 
 def make_block_mask(name: str, inputs):

@@ -7,7 +7,8 @@ Suites (the issue that asked for each in brackets):
 
     flex       the eight FlexAttention variants at three (B, N), D 64/128, H 16         [#6]
     sparsity   causal / sliding / prefix-LM / document at N 4096, 16384; Flex timed with
-               its block mask cached and with create_block_mask inside the call        [#4]
+               its block mask cached and with create_block_mask inside the call; the
+               document mask spelled with SDPA, against torch.compile's SDPA call   [#4]
     beyond     what Flex cannot express: DiffAttn and Evoformer at upstream shapes, the
                other example variants at one shape; vs torch.compile and eager         [#3]
     training   forward + backward, B=4 H=16 N=4096                                      [#5]
@@ -93,6 +94,7 @@ PROGRAMS: dict[str, Program] = {
     "sliding_window": _example("sliding_window"),
     "prefix_lm": _example("prefix_lm"),
     "document_mask": _example("document_mask"),
+    "sdpa_document": _example("sdpa_document"),       # the same mask built for F.scaled_dot_product_attention
     "alibi": _example("alibi", head_sliceable=False),        # slopes depend on H
     "softcap": _example("softcap"),
     "gqa": _example("gqa", sdpa=_sdpa_gqa, head_sliceable=False),
@@ -147,6 +149,9 @@ FLEX_VARIANTS = [  # display name, program, make() extras
     ("softcap_30", "softcap", ()), ("gqa_8", "gqa", (("group", 8),)),
 ]
 SPARSITY_VARIANTS = ["causal", "sliding_256", "prefix_lm_256", "document_12"]
+# the document mask as models spell it (SDPA with a mask built in the program): what torch.compile
+# gives today (Inductor builds the mask, SDPA reads it) against the fused program and Flex
+SDPA_VARIANTS = [("document_12_sdpa", "sdpa_document", ())]
 OTHER_BEYOND = ["gated", "hand_softmax", "relu_attention", "sigmoid_attention", "relative_position"]
 TRAINING_VARIANTS = [("causal", "causal"), ("alibi", "alibi"), ("document_12", "document_mask"),
                      ("diff_attention", "diff_attention")]
@@ -154,6 +159,7 @@ DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_
 
 FLEX_BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "inductor")
 SPARSITY_BACKENDS = ("flashlight", "flex", "flex_mask")
+SDPA_BACKENDS = ("flashlight", "flex", "inductor")
 BEYOND_BACKENDS = ("flashlight", "inductor", "eager")
 TRAINING_BACKENDS = ("flashlight", "flex", "sdpa_cudnn", "sdpa_flash", "inductor", "eager")
 DECODE_BACKENDS = ("flashlight", "flex", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "inductor", "eager")
@@ -209,7 +215,8 @@ def cases(suite: str, size: str = "full") -> list[Case]:
         return _grid("flex", FLEX_VARIANTS, s.bn, s.dims, s.heads, FLEX_BACKENDS)
     if suite == "sparsity":
         chosen = [v for v in FLEX_VARIANTS if v[0] in SPARSITY_VARIANTS]
-        return _grid("sparsity", chosen, s.sparsity_bn, s.dims, s.heads, SPARSITY_BACKENDS)
+        return (_grid("sparsity", chosen, s.sparsity_bn, s.dims, s.heads, SPARSITY_BACKENDS)
+                + _grid("sparsity", SDPA_VARIANTS, s.sparsity_bn, s.dims, s.heads, SDPA_BACKENDS))
     if suite == "beyond":
         diff = [Case("beyond", "diff_attention", "diff_attention", B, max(1, s.diff_dim // D), N, N, D,
                      backends=BEYOND_BACKENDS) for (B, N) in s.bn for D in s.dims]

@@ -6,7 +6,7 @@ from importlib import import_module
 
 # FlexAttention can express these ...
 FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask", "alibi", "softcap",
-              "gqa", "cross_attention", "key_padding"]
+              "gqa", "cross_attention", "key_padding", "sdpa_document"]
 # ... and these it cannot (several softmaxes, post-softmax ops, epilogues, no softmax at all,
 # a sink column concatenated to the scores, squared distances between 3-D points, the heads
 # merged into the output's rows by the kernel's store).
