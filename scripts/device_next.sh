@@ -1,4 +1,18 @@
-# Next session: part 3 first (~6 min): why the document mask's training step took 1.19 ms in
+# Session 16's device plan (written in session 15, which had no device). One part per `run`
+# call, from the repository root: `bash scripts/device_next.sh S1` (the machine stays warm 30 s
+# after a call: chain the next call at once).
+#   S1 (~9 min): the GPU tests in full (the Gluon kernels now launch through FastLaunch with their
+#     descriptors, never run on a GPU yet; test_gpu covers the forward, dK/dV and dQ), then part 3
+#     (the document step, this code against session 10's: carry .s10, see below).
+#   S2 (~9 min): the sparsity suite (the new document_12_sdpa case: SDPA-spelled document mask,
+#     fused, against torch.compile's SDPA call and Flex) and the cold first calls of session 14's
+#     four misses with the new phase columns (timers, not cProfile), Flex beside them.
+#   S3 (~9 min): issue #5's training table again, then the D=64 flex suite (cuDNN at 16384).
+# Part 3 needs session 10's tree carried:
+#   git archive ffd254c | (mkdir -p .s10 && tar -x -C .s10); echo /.s10/ >> .git/info/exclude
+#   run(command="bash scripts/device_next.sh S1", carry=[".s10"])
+# Older plans (parts 1-3 of session 14, A-D of session 12) follow.
+# Session 14 wrote: part 3 first (~6 min): why the document mask's training step took 1.19 ms in
 # session 14 against 0.56 in session 10 (docs/notes.md, "Session 14"). It profiles this code and
 # session 10's (ffd254c) in one call; prepare the old tree here first, then carry it:
 #   git archive ffd254c | (mkdir -p .s10 && tar -x -C .s10); echo /.s10/ >> .git/info/exclude
@@ -29,6 +43,26 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+S1)
+  timeout -k 10 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
+  echo "test_gpu rc $?"; tail -6 $OUT/test_gpu.txt | cut -c1-300
+  bash "$0" 3
+  ;;
+S2)
+  timeout -k 10 280 python3 -m benchmarks.run --suite sparsity --backends flashlight,flex,inductor \
+    --time-limit 250 --no-plots --out $OUT/sparsity > $OUT/sparsity.txt 2>&1
+  echo "sparsity rc $?"; tail -22 $OUT/sparsity.txt | cut -c1-170
+  timeout -k 10 220 python3 -m benchmarks.first_call --variants alibi,causal,document_12,prefix_lm_256 --d 128 \
+    --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call.txt | tail -14
+  ;;
+S3)
+  timeout -k 10 280 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 250 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
+  timeout -k 10 280 python3 -m benchmarks.run --suite flex --dims 64 --backends flashlight,flex,sdpa_cudnn \
+    --time-limit 250 --out $OUT/flex64 > $OUT/flex64.txt 2>&1
+  echo "flex64 rc $?"; tail -27 $OUT/flex64.txt | cut -c1-170
+  ;;
 1)  # session 14's first call (~9.5 min): the smoke gates the Gluon tile kernels' half of the A/B
   tiles=all
   for k in dkdv dq; do
