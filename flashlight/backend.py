@@ -192,11 +192,11 @@ SCALAR_ARITHMETIC = {operator.mul, operator.truediv, operator.add, operator.sub,
 def items_as_tensors(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with each ``t.item()`` whose value only scales, shifts or divides tensors (directly,
     or through arithmetic with Python numbers: ``s * (1.0 / t.item())``) read as the 0-d tensor
-    ``t`` itself (in float32 if floating: the precision the Python number had in the
-    arithmetic). Dynamo lifts a Python float argument that changed between calls (automatic
-    dynamic: a temperature, a scale) to a 0-d tensor read with ``.item()``, which a trace on
-    fake tensors cannot follow: the region then reads ``t`` (a scalar load) and the value may
-    change at every call without a recompile."""
+    ``t`` itself, detached (a number carries no gradient), in float32 if floating (the precision
+    the Python number had in the arithmetic). Dynamo lifts a Python float argument that changed
+    between calls (automatic dynamic: a temperature, a scale) to a 0-d tensor read with
+    ``.item()``, which a trace on fake tensors cannot follow: the region then reads ``t`` (a
+    scalar load) and the value may change at every call without a recompile."""
     def value(x):
         return x.meta.get("example_value") if isinstance(x, fx.Node) else None
 
@@ -228,7 +228,9 @@ def items_as_tensors(gm: fx.GraphModule) -> fx.GraphModule:
     for n in items:
         item, t = env[n], env[n.args[0]]
         with graph.inserting_before(item):
-            scalar = graph.call_method("float", (t,)) if value(n.args[0]).is_floating_point() else t
+            scalar = graph.call_method("detach", (t,))         # a Python number carries no gradient
+            if value(n.args[0]).is_floating_point():
+                scalar = graph.call_method("float", (scalar,))
         item.replace_all_uses_with(scalar)
         graph.erase_node(item)
     return fx.GraphModule(gm, graph)

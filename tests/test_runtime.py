@@ -864,3 +864,22 @@ def test_dynamic_shapes_with_a_module_float_attribute(training):
             assert abs((out == 0).float().mean().item() - p) < 0.05
         else:
             assert rel_error(out, causal.attention(*(to64(x) for x in xs))) < 1e-3
+
+
+def test_an_item_of_a_trained_tensor_stays_without_gradient():
+    """``s * t.item()`` with ``t`` a trained scalar (Dynamo traces ``.item()`` with
+    ``capture_scalar_outputs``): the region reads ``t`` detached, since a Python number carries
+    no gradient — ``t`` gets none, as in eager, and q, k, v get float64's."""
+    def fn(q, k, v, t):
+        return torch.softmax(q @ k.transpose(-1, -2) * t.item(), -1) @ v
+    xs = [x.requires_grad_() for x in causal.make_inputs(B=1, H=2, M=21, D=16)]
+    t = torch.tensor(0.3, requires_grad=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        assert flashlight.explain(fn, *xs, t).regions
+        torch.compiler.reset()
+        out = torch.compile(fn, backend="flashlight")(*xs, t)
+    grads = torch.autograd.grad(out.sum(), [*xs, t], allow_unused=True)
+    assert grads[3] is None
+    ref = [to64(x).detach().requires_grad_() for x in xs]
+    want = torch.autograd.grad(fn(*ref, t).sum(), ref)
+    assert all(rel_error(g, w) < 1e-3 for g, w in zip(grads[:3], want))
