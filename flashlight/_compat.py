@@ -125,19 +125,14 @@ def data_dependent(e: BaseException) -> bool:
     return isinstance(e, DataDependentOutputException | GuardOnDataDependentSymNode)
 
 
-def origins(node) -> set[str]:
-    """Names of the Dynamo graph nodes an ATen node was traced from (``node.meta["from_node"]``,
-    kept by ``preserve_node_meta``: ``NodeSource`` objects, or ``(name, target)`` pairs in
-    ``source_fn_stack``)."""
-    names = set()
-    for entry in node.meta.get("from_node") or []:
-        name = getattr(entry, "name", None)
-        if isinstance(name, str):
-            names.add(name)
-    for entry in node.meta.get("source_fn_stack") or []:
-        if isinstance(entry, tuple) and entry and isinstance(entry[0], str):
-            names.add(entry[0])
-    return names
+def trace_on_fakes(fn, fakes):
+    """The pre-dispatch ATen graph of ``fn`` on fake tensors of an existing trace (a node's
+    ``meta["val"]``), in their own fake mode; its nodes carry fake values of that mode too."""
+    from torch._guards import tracing
+    from torch.fx.experimental.proxy_tensor import make_fx
+    mode = next(x.fake_mode for x in fakes if is_fake(x))
+    with tracing(None), mode:
+        return make_fx(fn, tracing_mode="real", pre_dispatch=True)(*fakes)
 
 
 def is_fake(x) -> bool:

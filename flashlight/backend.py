@@ -243,7 +243,7 @@ def trace(gm: fx.GraphModule, example_inputs, keep_sdpa: frozenset[str] = frozen
     while it traces); a graph whose trace froze a value into a constant without data is
     refused (``Unsupported``)."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):
-        traceable, rewritten = sdpa.as_math(items_as_tensors(data_as_detach(inference_mode_as_no_grad(gm))), keep_sdpa)
+        traceable = items_as_tensors(data_as_detach(inference_mode_as_no_grad(gm)))
         try:
             aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(traceable).run, example_inputs)
         except Exception as e:
@@ -255,7 +255,7 @@ def trace(gm: fx.GraphModule, example_inputs, keep_sdpa: frozenset[str] = frozen
         if n.op == "get_attr" and _compat.is_fake(getattr(aten_gm, n.target, None)):
             raise Unsupported(f"the trace froze a computed value into a constant ({n.target}): "
                               "an operation outside the dispatcher")
-    return aten_gm, rewritten
+    return aten_gm, sdpa.decompose(aten_gm, keep_sdpa)
 
 
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
@@ -274,11 +274,6 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
                                              "unfused", source_line(n)))
             report.graph = gm
             return gm, report
-    for n in sdpa.sdpa_calls(gm):
-        why = "its program did not fuse (the reasons above): SDPA's own kernels serve it" if n.name in keep_sdpa \
-            else sdpa.why_kept(n)
-        if why:
-            report.fallbacks.append(Fallback(n.name, "scaled_dot_product_attention", why, source_line(n)))
     autograd = needs_autograd(gm, example_inputs)
     try:
         aten_gm, rewritten = trace(gm, example_inputs, keep_sdpa)
@@ -286,6 +281,10 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
         report.fallbacks.append(Fallback("graph", "-", f"{e}: compiled by Inductor, unfused", ""))
         report.graph = gm
         return gm, report
+    for n in sdpa.sdpa_calls(aten_gm.graph):       # the calls left to SDPA's kernels, and why
+        why = "its program did not fuse (the reasons above): SDPA's own kernels serve it" if n.name in keep_sdpa \
+            else sdpa.why_kept(n)
+        report.fallbacks.append(Fallback(n.name, "scaled_dot_product_attention", why, source_line(n)))
     if autograd:
         mark_gradients(aten_gm.graph, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
@@ -313,9 +312,9 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
     if rewritten and report.regions:
         # an SDPA call traced as its program that left unfused math behind goes back to SDPA
         aten_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() and n not in fused)
-        unfused = {name for node in aten_gm.graph.nodes if node.op == "call_function" and node.target not in VIEWS
-                   and getattr(node.target, "namespace", "") != "flashlight"   # views of q, k, v may feed a region
-                   for name in _compat.origins(node) if name in rewritten}
+        unfused = {node.meta[sdpa.TAG] for node in aten_gm.graph.nodes if sdpa.TAG in node.meta
+                   and node.target not in VIEWS    # views of q, k, v may feed a region, whose op takes the root's meta
+                   and getattr(node.target, "namespace", "") != "flashlight"}
     else:
         unfused = set(rewritten)
     if unfused:

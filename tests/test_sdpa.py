@@ -1,5 +1,7 @@
 """F.scaled_dot_product_attention with a mask the program builds fuses (capture/sdpa.py): the
 mask's expression goes into the kernel; SDPA without such a mask stays SDPA, with the reason."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,7 @@ import flashlight
 from flashlight import backend
 from flashlight.codegen import CodegenError
 from flashlight.examples.document_mask import doc_ids_for
+from flashlight.testing import rel_error
 from helpers import check_fused, check_grads
 
 
@@ -99,3 +102,36 @@ def test_an_sdpa_program_that_does_not_fuse_goes_back_to_sdpa(monkeypatch):
     torch.compiler.reset()
     for got, want in zip(torch.compile(both, backend="flashlight")(*xs), both(*xs)):
         assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", ["mha", "encoder"])
+def test_torch_attention_modules_with_key_padding_fuse(layer):
+    """``nn.MultiheadAttention`` with a key padding mask and ``nn.TransformerEncoderLayer`` with
+    ``src_key_padding_mask``: Dynamo keeps ``multi_head_attention_forward`` as one call, whose
+    SDPA call (the padding turned into a float mask inside it) the ATen-level rewrite reaches.
+    One region; the output and the gradients of the input and of every parameter against the
+    module in float64."""
+    torch.manual_seed(0)
+    if layer == "mha":
+        module = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+        fn = lambda m, x, pad: m(x, x, x, key_padding_mask=pad, need_weights=False)[0]    # noqa: E731
+    else:
+        module = torch.nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
+        fn = lambda m, x, pad: m(x, src_key_padding_mask=pad)                              # noqa: E731
+    x = torch.randn(2, 37, 32)
+    pad = torch.zeros(2, 37, dtype=torch.bool)
+    pad[0, 20:] = True
+    report = flashlight.explain(lambda x, pad: fn(module, x, pad), x, pad)
+    assert len(report.regions) == 1 and not report.fallbacks, report
+
+    def run(m, call, x):
+        x = x.clone().requires_grad_()
+        out = call(m, x, pad)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        params = [p for p in m.parameters()]
+        return [out, *torch.autograd.grad((out * w).sum(), [x, *params])]
+    torch.compiler.reset()
+    got = run(module, torch.compile(fn, backend="flashlight"), x)
+    want = run(copy.deepcopy(module).double(), fn, x.double())
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_error(a, b) < 1e-3, i

@@ -1,32 +1,40 @@
-"""``F.scaled_dot_product_attention`` calls whose mask the program builds, traced as the softmax
-program they compute, so that the region capture fuses the mask into the attention.
+"""``scaled_dot_product_attention`` calls whose mask the program builds, decomposed into the
+softmax program they compute, so that the region capture fuses the mask into the attention.
 
 SDPA's own kernels (FlashAttention, cuDNN) are the fastest for plain and causal attention, so a
 call without a mask, or with a mask passed in ready-made, stays SDPA. A mask computed inside the
 compiled function (document ids compared, a window, padding from lengths) is what SDPA must
 materialise N x N and read back; generated from its expression it costs a few integer ops per
 score and skips the blocks it masks out, as FlexAttention's ``mask_mod`` does, in the spelling
-models already use. A call whose rewritten program does not fuse goes back to SDPA
-(``backend.fuse`` traces again without it), so the rewrite never replaces SDPA by unfused math.
+models already use. The rewrite works on the ATen graph (``aten.scaled_dot_product_attention``),
+so it also reaches the SDPA call inside ``nn.MultiheadAttention`` and the ``nn.Transformer``
+layers, which Dynamo keeps as one call. A call whose decomposition does not fuse whole is traced
+again as SDPA (``backend.fuse``), so the rewrite never replaces SDPA by unfused math.
 
 The program is SDPA's math reference: ``softmax(q @ k^T * scale + mask) @ v``, a boolean mask
 filling -inf where it is false, ``is_causal`` the top-left triangle, ``enable_gqa`` each key and
-value head shared by ``Hq / Hkv`` consecutive query heads. A row with every key masked comes out 0,
-as SDPA's math backend gives since torch 2.5 and as the kernels give.
+value head shared by ``Hq / Hkv`` consecutive query heads. A row with every key masked comes out
+0, as SDPA's math backend gives since torch 2.5 and as the kernels give.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.fx as fx
 
-SDPA = torch.nn.functional.scaled_dot_product_attention
-ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-# Dynamo graph ops that only re-view a mask: a mask reached through these from a graph input was
+from .. import _compat
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")      # then keyword-only: scale, enable_gqa
+# ops that only re-view or re-type a mask: a mask reached through them from a graph input was
 # built outside the compiled function (SDPA reads it as well as a kernel would)
-VIEWS = {"getitem", "unsqueeze", "view", "reshape", "expand", "transpose", "permute", "contiguous", "to",
-         "squeeze", "flatten", "expand_as", "bool"}
+VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.transpose, aten.permute, aten.unsqueeze,
+         aten.squeeze, aten.slice, aten.select, aten.alias, aten.detach, aten.t, aten._to_copy, aten.to,
+         aten.contiguous, aten.clone}
+TAG = "flashlight_sdpa"         # node meta: the SDPA call a decomposed node computes part of
 
 
 def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -50,16 +58,19 @@ def arguments(n: fx.Node) -> dict:
     return {**dict(zip(ARGS, n.args)), **n.kwargs}
 
 
+def sdpa_calls(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is SDPA]
+
+
 def _built_outside(mask: fx.Node) -> bool:
-    """Is ``mask`` a graph input (or a parameter, a buffer) seen through views alone?"""
-    while mask.op in ("call_function", "call_method") and (
-            mask.op == "call_method" and mask.target in VIEWS or getattr(mask.target, "__name__", "") in VIEWS):
+    """Is ``mask`` a graph input (a parameter, a buffer) seen through views and casts alone?"""
+    while mask.op == "call_function" and getattr(mask.target, "overloadpacket", None) in VIEWS:
         mask = mask.args[0]
     return mask.op in ("placeholder", "get_attr")
 
 
 def why_kept(n: fx.Node) -> str:
-    """Why the SDPA call ``n`` stays SDPA ("" where its program is traced instead)."""
+    """Why the SDPA call ``n`` stays SDPA ("" where it is decomposed)."""
     a = arguments(n)
     mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
     if not isinstance(mask, fx.Node):
@@ -71,19 +82,29 @@ def why_kept(n: fx.Node) -> str:
     return ""
 
 
-def sdpa_calls(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
-
-
-def as_math(gm: fx.GraphModule, keep: frozenset[str]) -> tuple[fx.GraphModule, list[str]]:
-    """``gm`` with every SDPA call not in ``keep`` (node names) and not kept by ``why_kept``
-    computing ``sdpa_math`` instead, and the names of those calls."""
-    calls = [n for n in sdpa_calls(gm) if n.name not in keep and not why_kept(n)]
-    if not calls:
-        return gm, []
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    for n in calls:
-        env[n].target = sdpa_math
-    return fx.GraphModule(gm, graph), [env[n].name for n in calls]
+def decompose(gm: fx.GraphModule, keep: frozenset[str]) -> list[str]:
+    """Replace, in place, every SDPA call of ``gm`` not named in ``keep`` and not kept by
+    ``why_kept`` by the ATen graph of ``sdpa_math`` traced on its arguments' fake values (each
+    inlined node tagged ``TAG`` with the call's name, and given its stack trace); returns the
+    names of the calls replaced."""
+    done = []
+    for n in sdpa_calls(gm.graph):
+        if n.name in keep or why_kept(n):
+            continue
+        a = arguments(n)
+        tensors = [a[k] for k in ("query", "key", "value", "attn_mask")]       # the mask is a node (why_kept)
+        static = {k: a[k] for k in ("is_causal", "scale", "enable_gqa") if k in a}
+        sub = _compat.trace_on_fakes(functools.partial(sdpa_math, **static), [x.meta["val"] for x in tensors])
+        env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], tensors))
+        with gm.graph.inserting_before(n):
+            out = gm.graph.graph_copy(sub.graph, env)
+        for new in env.values():
+            if new not in tensors:
+                new.meta[TAG] = n.name
+                new.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
+        n.replace_all_uses_with(out)
+        done.append(n.name)
+        gm.graph.erase_node(n)
+    if done:
+        gm.recompile()
+    return done
