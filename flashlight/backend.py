@@ -319,7 +319,13 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
         unfused = set(rewritten)
     if unfused:
         again, retried = fuse(gm, example_inputs, max_autotune, keep_sdpa | unfused)
-        retried.fallbacks[:0] = report.fallbacks        # this attempt's reasons first
+        # this attempt's reasons first (why the decomposed SDPA did not fuse), each reason once
+        seen, merged = set(), []
+        for f in report.fallbacks + retried.fallbacks:
+            if (f.op, f.reason, f.source) not in seen:
+                seen.add((f.op, f.reason, f.source))
+                merged.append(f)
+        retried.fallbacks = merged
         return again, retried
     if not report.regions:
         report.graph = gm

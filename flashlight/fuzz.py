@@ -7,8 +7,9 @@ and its spelling, a mask (none, causal, window, prefix, document ids, key paddin
 tensor) and its fill value (-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
 the softmax spelling, a second softmax map over the same V combined with the first (DiffAttn's
 difference with a learned λ, or a mean), an epilogue (a head-merging reshape, an RMSNorm, a
-sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss). The
-program is plain PyTorch, built from closures.
+sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss); or the map
+spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``. The program
+is plain PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -110,11 +111,14 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             s = s + term
         qi = torch.arange(M)[:, None]
         ki = torch.arange(N)[None, :]
+        bias_t = None
         if bias == "alibi":
             slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
-            s = s + (slopes[:, None, None] * (ki - qi)).to(s.dtype)     # fp16 programs stay fp16
+            bias_t = (slopes[:, None, None] * (ki - qi)).to(s.dtype)     # fp16 programs stay fp16
         elif bias != "none":
-            s = s + ex["bias"]
+            bias_t = ex["bias"]
+        if bias_t is not None and not sdpa:
+            s = s + bias_t
         keep = {
             "none": None,
             "causal": torch.ones(M, N, dtype=torch.bool).tril(),
@@ -124,24 +128,31 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             "padding": ex["valid"][:, None, None, :] if "valid" in ex else None,
             "tensor": ex.get("keep"),
         }[mask]
-        if keep is not None:
-            s = s.masked_fill(~keep, fill) if rng_fill_style else torch.where(keep, s, fill)
-        if sink:                            # one more column per row, dropped after the softmax
-            s = torch.cat([s, ex["sinks"].view(1, H, 1, 1).expand(B, H, M, 1)], dim=-1)
-        if spelling == "torch":
-            p = torch.softmax(s, dim=-1)
-        elif spelling == "F_fp32":
-            p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        elif spelling == "method":
-            p = s.softmax(-1)
+        if sdpa:        # the same map through F.scaled_dot_product_attention: bias and mask as attn_mask
+            attn_mask = keep if bias_t is None else bias_t if keep is None else torch.where(keep, bias_t, fill)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                               scale=D ** -0.5 if scale_at in ("scores_mul", "scores_div") else 1.0)
+            if oracle and second != "none":
+                o = o.nan_to_num(0.0)
         else:
-            e = torch.exp(s - s.amax(-1, keepdim=True))
-            p = e / e.sum(-1, keepdim=True)
-        if sink:
-            p = p[..., :N]
-        if oracle and second != "none":
-            p = p.nan_to_num(0.0)           # a fully masked row of this map adds 0, not NaN
-        o = p @ v
+            if keep is not None:
+                s = s.masked_fill(~keep, fill) if rng_fill_style else torch.where(keep, s, fill)
+            if sink:                        # one more column per row, dropped after the softmax
+                s = torch.cat([s, ex["sinks"].view(1, H, 1, 1).expand(B, H, M, 1)], dim=-1)
+            if spelling == "torch":
+                p = torch.softmax(s, dim=-1)
+            elif spelling == "F_fp32":
+                p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+            elif spelling == "method":
+                p = s.softmax(-1)
+            else:
+                e = torch.exp(s - s.amax(-1, keepdim=True))
+                p = e / e.sum(-1, keepdim=True)
+            if sink:
+                p = p[..., :N]
+            if oracle and second != "none":
+                p = p.nan_to_num(0.0)       # a fully masked row of this map adds 0, not NaN
+            o = p @ v
         if second != "none":                # a second, causal map at another temperature, same V
             s2 = (q @ k.transpose(-2, -1)) * (0.5 * D ** -0.5)
             p2 = torch.softmax(s2.masked_fill(ki > qi, float("-inf")), dim=-1)
@@ -166,10 +177,13 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         names.append("sinks")
     stop = rng.choice(["none"] * 8 + ["k", "v", "scores", "no_grad"])    # drawn last, likewise
     stop = stop if stops else "none"
+    # SDPA's spelling of the same map (drawn last, likewise): where it can say the program
+    sdpa = rng.random() < 0.25 and not softcap and not sink and stop not in ("scores", "no_grad")
     grads = grads or stop != "none"
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
-            f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop}")
+            f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
+            f"sdpa={sdpa}")
     return Program(desc, program, (q, k, v, *extra.values()), grads=grads,
                    oracle=lambda *xs: program(*xs, oracle=True))
 

@@ -215,3 +215,17 @@ def test_baddbmm_scores_fuse_with_their_bias():
     alibi = (slopes[:, None] * torch.arange(N)[None, :]).repeat(B, 1)[:, None, :].contiguous()    # [B*H, 1, N]
     check_fused(_bloom, q, k, v, alibi)
     check_grads(_bloom, [q, k, v, alibi])
+
+
+def test_baddbmm_with_beta_zero_ignores_its_input():
+    """``baddbmm(torch.empty(...), q, k^T, beta=0, alpha=a)`` (Megatron, GPT-NeoX): PyTorch
+    ignores the input when beta is 0, NaN and inf included; the region must not read it
+    (0 * NaN is NaN: the whole output was NaN)."""
+    def scores_from_a_buffer(q, k, v, buf):
+        s = torch.baddbmm(buf, q, k.transpose(1, 2), beta=0.0, alpha=0.25)
+        return torch.bmm(torch.softmax(s, -1), v)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(8, 24, 16, generator=g) for _ in range(3))
+    buf = torch.full((8, 24, 24), float("nan"))
+    buf[:, :, :5] = float("inf")
+    check_fused(scores_from_a_buffer, q, k, v, buf)

@@ -89,12 +89,14 @@ def test_an_sdpa_program_that_does_not_fuse_goes_back_to_sdpa(monkeypatch):
 
     def both(q, k, v, ids):
         written = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
-        return document(q, k, v, ids), written      # two outputs: two regions (a sum would merge them)
+        plain = F.scaled_dot_product_attention(q, k, v)     # stays SDPA: its reason, given once
+        return document(q, k, v, ids), written, plain      # three outputs: a sum would merge regions
     xs = inputs()
     report = flashlight.explain(both, *xs)
     assert len(report.regions) == 1
     reasons = [f.reason for f in report.fallbacks]
     assert any("refused by the test" in r for r in reasons) and any("did not fuse" in r for r in reasons), reasons
+    assert len(reasons) == len(set(reasons)), reasons
     (graph,) = report.graphs
     aten = {n.target for n in graph.graph.nodes if n.op == "call_function"}
     assert torch.ops.aten.scaled_dot_product_attention.default in aten

@@ -535,6 +535,8 @@ def _baddbmm(b, node, inp, x, y, beta=1, alpha=1):
         if p.op != "dot":
             return p            # the node itself, loaded
         scaled = p if alpha == 1 else call("mul", p, const(alpha))
+        if beta == 0:       # the input is ignored, NaN and inf included (torch.empty buffers: Megatron)
+            return coerce(scaled, kind)
         bias = si(align(idx, shape, si.shape))
         return coerce(call("add", bias if beta == 1 else call("mul", bias, const(beta)), scaled), kind)
     return Sym(shape, kind, f)
