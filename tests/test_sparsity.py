@@ -173,3 +173,26 @@ def test_one_statistics_reduction_per_training_step(monkeypatch):
     ids.add_(0)       # an in-place change after the forward
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("side", ["keys", "queries"])
+def test_a_mask_over_a_float_tensor_skips_blocks_and_trains(side):
+    """A mask from a trained float tensor's statistics (``k.sum(-1) > 0`` over keys, or a
+    query-side one): its block test compares float bounds. Triton's interpreter types a float
+    comparison as float, and the scan's ``&`` with a boolean failed (the dK/dV kernel, whose
+    key side is a scalar). Forward and gradients of q, k, v against float64, blocks skipped."""
+    from helpers import check_fused, check_grads
+
+    def masked(q, k, v):
+        if side == "keys":
+            keep = k.sum(-1)[..., None, :] > 0
+        else:       # rows whose q sums to <= 0 keep their first 16 keys: no row fully masked
+            keep = (q.sum(-1)[..., :, None] > 0) | (torch.arange(k.shape[-2])[None, :] < 16)
+        s = q @ k.transpose(-1, -2) / 4
+        return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 150, 16, generator=g) for _ in range(3))
+    (k if side == "keys" else q)[..., 8:148, :] -= 10         # whole blocks of masked keys (or of rows)
+    _, report = check_fused(masked, q, k, v)
+    assert report.regions[0].skipped > 0.2, report
+    check_grads(masked, [q, k, v])

@@ -184,11 +184,17 @@ class IntervalWriter:
             if e.op in ("gt", "ge"):       # a > b  <=>  b < a
                 (alo, ahi), (blo, bhi) = (blo, bhi), (alo, ahi)
             strict = e.op in ("lt", "gt")
+            # Triton's interpreter types a float comparison as float (its data 0.0 / 1.0), and an
+            # & with a boolean then fails or, in a where, misreads it: through int8 it is a
+            # boolean there too (a no-op once compiled). Integer comparisons need nothing.
+            wrap = "({}).to(tl.int8) != 0" if "f" in (e.args[0].kind, e.args[1].kind) else "{}"
             if e.op in ("lt", "le", "gt", "ge"):
                 cmp, ncmp = ("<", ">=") if strict else ("<=", ">")
-                return self._let(f"{alo} {cmp} {bhi}"), self._let(f"{ahi} {ncmp} {blo}")
-            overlap = self._let(f"({alo} <= {bhi}) & ({blo} <= {ahi})")
-            single = self._let(f"({alo} == {ahi}) & ({blo} == {bhi}) & ({alo} == {blo})")
+                return (self._let(wrap.format(f"{alo} {cmp} {bhi}")),
+                        self._let(wrap.format(f"{ahi} {ncmp} {blo}")))
+            overlap = self._let(f"({wrap.format(f'{alo} <= {bhi}')}) & ({wrap.format(f'{blo} <= {ahi}')})")
+            single = self._let(f"({wrap.format(f'{alo} == {ahi}')}) & ({wrap.format(f'{blo} == {bhi}')}) & "
+                               f"({wrap.format(f'{alo} == {blo}')})")
             may_t, may_f = overlap, self._let(f"{single} == 0")
             return (may_t, may_f) if e.op == "eq" else (may_f, may_t)
         if e.kind == "b" and e.op in ("load", "to_b"):
