@@ -129,7 +129,10 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             "tensor": ex.get("keep"),
         }[mask]
         if sdpa:        # the same map through F.scaled_dot_product_attention: bias and mask as attn_mask
-            attn_mask = keep if bias_t is None else bias_t if keep is None else torch.where(keep, bias_t, fill)
+            # a float mask is added to the scores: a finite fill (-1e9) would cancel them in fp32
+            # (eager's own fp32 result is 1e-1 off float64 there), so it masks with -inf
+            attn_mask = keep if bias_t is None else bias_t if keep is None else \
+                torch.where(keep, bias_t, float("-inf"))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                                scale=D ** -0.5 if scale_at in ("scores_mul", "scores_div") else 1.0)
             if oracle and second != "none":
