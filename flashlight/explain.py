@@ -26,8 +26,9 @@ def features(region: Region) -> list[str]:
         feats.add("index-mask")
     bvars = set(region.batch_vars)
     for d in region.dots:     # K/V heads shared by query heads: fewer batch vars, or h // group
-        if free_vars(d.k) & bvars != free_vars(d.q) & bvars or any(
-                x.op == "idiv" and free_vars(x) & bvars for x in walk(d.k)):
+        def divisions(e):     # (heads flattened into the batch divide it in Q and K alike: BLOOM)
+            return {x for x in walk(e) if x.op == "idiv" and free_vars(x) & bvars}
+        if free_vars(d.k) & bvars != free_vars(d.q) & bvars or divisions(d.k) - divisions(d.q):
             feats.add("gqa")
     if any(x.kind == "f" and x.op not in ("load", "const") and {"m", "n"} & free_vars(x)
            and not refs(x, "dot") and not refs(x, "red") for x in nodes):

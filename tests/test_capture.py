@@ -213,7 +213,8 @@ def test_baddbmm_scores_fuse_with_their_bias():
     q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
     slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)])
     alibi = (slopes[:, None] * torch.arange(N)[None, :]).repeat(B, 1)[:, None, :].contiguous()    # [B*H, 1, N]
-    check_fused(_bloom, q, k, v, alibi)
+    _, report = check_fused(_bloom, q, k, v, alibi)
+    assert "gqa" not in report.regions[0].features      # heads flattened into the batch: as many K heads as Q
     check_grads(_bloom, [q, k, v, alibi])
 
 
