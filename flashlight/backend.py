@@ -236,10 +236,11 @@ def items_as_tensors(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def trace(gm: fx.GraphModule, example_inputs, keep_sdpa: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, list[str]]:
+def trace(gm: fx.GraphModule, example_inputs,
+          keep_sdpa: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, list[str]]:
     """The ATen graph of ``gm`` (pre-dispatch, on fake copies of ``example_inputs``), and the
-    SDPA calls traced as their program (``capture.sdpa``; those named in ``keep_sdpa`` stay
-    SDPA). Grad mode is restored afterwards whatever the trace did (the graph's own switches run
+    SDPA calls decomposed into their program there (``capture.sdpa``; those named in
+    ``keep_sdpa`` stay SDPA). Grad mode is restored afterwards whatever the trace did (the graph's own switches run
     while it traces); a graph whose trace froze a value into a constant without data is
     refused (``Unsupported``)."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):

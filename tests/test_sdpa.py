@@ -62,8 +62,8 @@ def test_sdpa_with_a_built_mask_fuses(fn):
     (lambda q, k, v, ids: F.scaled_dot_product_attention(q, k, v), "no mask built"),
     (lambda q, k, v, ids: F.scaled_dot_product_attention(q, k, v, is_causal=True), "no mask built"),
     (lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]), "passed in built"),
-    (lambda q, k, v, ids: F.scaled_dot_product_attention(q, k, v, attn_mask=ids[:, None, :, None] == ids[:, None, None, :],
-                                                         dropout_p=0.1), "dropout_p"),
+    (lambda q, k, v, ids: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=ids[:, None, :, None] == ids[:, None, None, :], dropout_p=0.1), "dropout_p"),
 ], ids=["plain", "causal", "given mask", "dropout"])
 def test_sdpa_stays_sdpa_where_its_kernels_serve(fn, reason):
     """No mask (FlashAttention and cuDNN are the fastest there), a mask passed in ready-made

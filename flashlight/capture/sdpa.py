@@ -76,7 +76,8 @@ def why_kept(n: fx.Node) -> str:
     if not isinstance(mask, fx.Node):
         return "no mask built in the program: SDPA's own kernels (FlashAttention, cuDNN) serve it"
     if _built_outside(mask):
-        return "its mask is passed in built: SDPA's own kernels read it (build it inside the compiled function to fuse it)"
+        return ("its mask is passed in built: SDPA's own kernels read it (build it inside the compiled function "
+                "to fuse it)")
     if not (isinstance(dropout, (int, float)) and dropout == 0):
         return "dropout_p is not 0: SDPA's own kernels serve it"
     return ""
