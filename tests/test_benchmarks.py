@@ -158,3 +158,16 @@ def test_first_call_phases_come_from_timers(monkeypatch):
     other.start()
     other.join()
     assert (times.main, times.other) == (0.25, 0.25)
+
+
+def test_sdpa_document_case_fuses_and_agrees_with_flex(tmp_path, monkeypatch):
+    """The sparsity suite's SDPA-spelled document mask (the next GPU run's new case): the
+    program fuses (one region, so SDPA was decomposed), matches fp32 eager, and eager Flex with
+    the same document mask agrees; its FLOPs count only the unmasked pairs."""
+    rows = run_case(tmp_path, monkeypatch, "--suite", "sparsity", "--only", "document_12_sdpa",
+                    "--backends", "flashlight,flex", "--no-plots")
+    (r,) = rows
+    assert (r["variant"], r["program"], r["fused"]) == ("document_12_sdpa", "sdpa_document", "1")
+    assert r["flashlight_ok"] == "True" and float(r["flashlight_err"]) < 1e-4
+    assert r["flex_ok"] == "True" and float(r["flex_err"]) < 1e-4
+    assert 0 < float(r["density"]) < 0.5
