@@ -97,9 +97,13 @@ class Report:
     graphs: list[torch.fx.GraphModule] = field(default_factory=list)   # what Inductor received
 
     def __str__(self) -> str:
-        lines = [f"flashlight: {len(self.regions)} fused region(s), {len(self.fallbacks)} fallback(s)"]
+        kept = [f for f in self.fallbacks if f.op == "scaled_dot_product_attention"]   # by design, not failures
+        failed = [f for f in self.fallbacks if f not in kept]
+        lines = [f"flashlight: {len(self.regions)} fused region(s), {len(failed)} fallback(s)"
+                 + (f", {len(kept)} SDPA call(s) left to SDPA" if kept else "")]
         lines += [f"  fused    {r}" for r in self.regions]
-        lines += [f"  fallback {f}" for f in self.fallbacks]
+        lines += [f"  fallback {f}" for f in failed]
+        lines += [f"  sdpa     {f}" for f in kept]
         return "\n".join(lines)
 
 
