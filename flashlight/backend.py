@@ -137,6 +137,14 @@ def needs_autograd(gm: fx.GraphModule, example_inputs) -> bool:
         any(p.requires_grad for p in gm.parameters())
 
 
+def copied(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A copy of ``gm``'s graph to rewrite for tracing, and the map from its nodes to the copy's
+    (the passes below return ``fx.GraphModule(gm, graph)``, leaving ``gm`` as Dynamo gave it)."""
+    graph, env = fx.Graph(), {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    return graph, env
+
+
 def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose ``torch.inference_mode()`` blocks are ``torch.no_grad()`` ones, for
     tracing: the ATen trace keeps ``_set_grad_enabled`` calls but drops inference mode's, and
@@ -145,8 +153,7 @@ def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
     eager's; only inference tensors' restrictions (no later use in autograd) are not kept."""
     if not any(_compat.inference_mode_switch(n) for n in gm.graph.nodes):
         return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph, _ = copied(gm)
     enabled, before = torch.is_grad_enabled(), {}      # a rewritten enter -> grad mode before it
     for n in list(graph.nodes):
         switch = _compat.inference_mode_switch(n)
@@ -173,8 +180,7 @@ def data_as_detach(gm: fx.GraphModule) -> fx.GraphModule:
     ``.data``'s separate version counter is not kept."""
     if not any(_compat.data_attr(n) for n in gm.graph.nodes):
         return gm
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph, _ = copied(gm)
     for n in list(graph.nodes):
         if _compat.data_attr(n):
             with graph.inserting_before(n):
@@ -222,9 +228,7 @@ def items_as_tensors(gm: fx.GraphModule) -> fx.GraphModule:
     items = [n for n in gm.graph.nodes if rewritable(n)]
     if not items:
         return gm
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
+    graph, env = copied(gm)
     for n in items:
         item, t = env[n], env[n.args[0]]
         with graph.inserting_before(item):
@@ -240,9 +244,9 @@ def trace(gm: fx.GraphModule, example_inputs,
           keep_sdpa: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, list[str]]:
     """The ATen graph of ``gm`` (pre-dispatch, on fake copies of ``example_inputs``), and the
     SDPA calls decomposed into their program there (``capture.sdpa``; those named in
-    ``keep_sdpa`` stay SDPA). Grad mode is restored afterwards whatever the trace did (the graph's own switches run
-    while it traces); a graph whose trace froze a value into a constant without data is
-    refused (``Unsupported``)."""
+    ``keep_sdpa`` stay SDPA). Grad mode is restored afterwards whatever the trace did (the
+    graph's own switches run while it traces); a graph whose trace froze a value into a
+    constant without data is refused (``Unsupported``)."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):
         traceable = items_as_tensors(data_as_detach(inference_mode_as_no_grad(gm)))
         try:
@@ -285,7 +289,7 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
     for n in sdpa.sdpa_calls(aten_gm.graph):       # the calls left to SDPA's kernels, and why
         why = "its program did not fuse (the reasons above): SDPA's own kernels serve it" if n.name in keep_sdpa \
             else sdpa.why_kept(n)
-        report.fallbacks.append(Fallback(n.name, "scaled_dot_product_attention", why, source_line(n)))
+        report.fallbacks.append(Fallback(n.name, sdpa.OP, why, source_line(n)))
     if autograd:
         mark_gradients(aten_gm.graph, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)

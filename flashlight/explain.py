@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .capture import Fallback
+from .capture.sdpa import OP as SDPA_OP
 from .ir import Region, free_vars, refs, walk
 
 
@@ -97,7 +98,7 @@ class Report:
     graphs: list[torch.fx.GraphModule] = field(default_factory=list)   # what Inductor received
 
     def __str__(self) -> str:
-        kept = [f for f in self.fallbacks if f.op == "scaled_dot_product_attention"]   # by design, not failures
+        kept = [f for f in self.fallbacks if f.op == SDPA_OP]   # left to SDPA by design, not failures
         failed = [f for f in self.fallbacks if f not in kept]
         lines = [f"flashlight: {len(self.regions)} fused region(s), {len(failed)} fallback(s)"
                  + (f", {len(kept)} SDPA call(s) left to SDPA" if kept else "")]

@@ -134,7 +134,7 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             attn_mask = keep if bias_t is None else bias_t if keep is None else \
                 torch.where(keep, bias_t, float("-inf"))
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                               scale=D ** -0.5 if scale_at in ("scores_mul", "scores_div") else 1.0)
+                                               scale=scale if scale_at in ("scores_mul", "scores_div") else 1.0)
             if oracle and second != "none":
                 o = o.nan_to_num(0.0)
         else:

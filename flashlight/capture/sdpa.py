@@ -35,6 +35,7 @@ VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.transpose
          aten.squeeze, aten.slice, aten.select, aten.alias, aten.detach, aten.t, aten._to_copy, aten.to,
          aten.contiguous, aten.clone}
 TAG = "flashlight_sdpa"         # node meta: the SDPA call a decomposed node computes part of
+OP = "scaled_dot_product_attention"     # the op of a Fallback for a call left to SDPA (explain lists them apart)
 
 
 def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -29,7 +29,7 @@ from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
 from ..codegen.gradients import grad_plan
 from ..ir import Region
-from ..ir.evaluate import compute_dtype, evaluate, evaluate_all, evaluate_with_rowstats
+from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
@@ -98,10 +98,14 @@ class CompiledRegion:
             raise RuntimeError(f"{self.name}: inputs on several devices: {sorted(map(str, devices))}")
 
     def uses_kernel(self, inputs: list[torch.Tensor]) -> bool:
-        if compute_dtype([x for x in inputs if x.dim()]) == torch.float64:
-            return False     # float64 (gradcheck) runs the reference: tl.dot has no fp64 path (a float64
-            # scalar, a Python float Dynamo lifted, promotes nothing: torch's rule for 0-d tensors)
-        return inputs[0].is_cuda or interpreting()
+        return not self.float64 and (inputs[0].is_cuda or interpreting())
+
+    @functools.cached_property
+    def float64(self) -> bool:
+        """A float64 input with dims (gradcheck): the reference evaluator runs, since tl.dot has
+        no fp64 path. A float64 scalar (a Python float Dynamo lifted) promotes nothing, as
+        torch's rule for 0-d tensors says. Fixed per entry (the key holds the input dtypes)."""
+        return any(x.dtype == torch.float64 for x in self.region.inputs if len(x.shape))
 
     @functools.cached_property
     def rowstats_shape(self) -> tuple[int, ...]:
