@@ -104,9 +104,9 @@ def untraceable(node) -> str:
     does, or "". A ``torch.func`` transform traced inline (``torch._C._functorch`` /
     ``torch._functorch`` functions: the trace cannot read its wrapped tensors, and a trace
     failing halfway leaves functorch's nesting raised); a higher-order op
-    (``torch._ops.HigherOrderOperator``: a tensor hook, a user ``autograd.Function``,
-    activation checkpointing...), whose backward or side effect the trace drops, running its
-    forward body alone."""
+    (``torch._ops.HigherOrderOperator``: a tensor hook, a user ``autograd.Function``...), whose
+    backward or side effect the trace drops, running its forward body alone. Activation
+    checkpointing is one too; the backend fuses its bodies apart (``is_checkpoint``)."""
     from torch._ops import HigherOrderOperator
     if node.op != "call_function":
         return ""
@@ -114,6 +114,41 @@ def untraceable(node) -> str:
         return f"the higher-order op {node.target.name()}"
     module = getattr(node.target, "__module__", None) or ""
     return "a torch.func transform" if module.startswith(("torch._functorch", "torch._C._functorch")) else ""
+
+
+def is_checkpoint(node) -> bool:
+    """A ``torch.utils.checkpoint`` call in a Dynamo graph: the higher-order op
+    ``tag_activation_checkpoint(body, *args, ...)``, whose body is a submodule of the graph
+    (``get_attr``; ``torch._higher_order_ops.wrap``, private)."""
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint
+    return node.op == "call_function" and node.target is tag_activation_checkpoint
+
+
+def subgraph_inputs(gm, example_inputs, nodes) -> dict:
+    """The arguments each higher-order op in ``nodes`` (``op(body, *args)``) receives when ``gm``
+    runs on ``example_inputs``, as fake tensors of concrete shape (a fresh
+    ``torch._subclasses.FakeTensorMode``, private; each body runs in place of its op). Dynamo's
+    own example values may have symbolic sizes; these have the sizes of this compile."""
+    import torch
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode, seen = FakeTensorMode(allow_non_fake_inputs=True), {}
+
+    class Run(fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if self.current in nodes:
+                seen[self.current] = args[1:]
+                return args[0](*args[1:])
+            return super().call_function(target, args, kwargs)
+
+        def run_node(self, n):
+            self.current = n
+            return super().run_node(n)
+
+    with mode, torch.set_grad_enabled(torch.is_grad_enabled()):
+        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else concrete(x) for x in example_inputs]
+        Run(gm).run(*fakes)
+    return seen
 
 
 def data_dependent(e: BaseException) -> bool:

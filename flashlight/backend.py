@@ -271,14 +271,17 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
     SDPA call traced as its program (``capture.sdpa``) that does not fuse whole is traced again
     as SDPA (``keep_sdpa``), its reasons kept."""
     report, t0 = GraphReport(), time.perf_counter()
+    checkpoints = [n for n in gm.graph.nodes if _compat.is_checkpoint(n)]
     for n in gm.graph.nodes:
-        why = _compat.untraceable(n)
+        why = "" if n in checkpoints else _compat.untraceable(n)
         if why:
             report.fallbacks.append(Fallback(n.name, getattr(n.target, "__name__", str(n.target)),
                                              f"{why} inside the compiled graph: the graph is compiled by Inductor, "
                                              "unfused", source_line(n)))
             report.graph = gm
             return gm, report
+    if checkpoints:
+        return fuse_checkpointed(gm, example_inputs, checkpoints, max_autotune, report)
     autograd = needs_autograd(gm, example_inputs)
     try:
         aten_gm, rewritten = trace(gm, example_inputs, keep_sdpa)
@@ -343,6 +346,52 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
     return aten_gm, report
 
 
+def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.Node], max_autotune: bool,
+                      report: GraphReport) -> tuple[fx.GraphModule, GraphReport]:
+    """A graph calling ``torch.utils.checkpoint``: each checkpointed body is fused on its own
+    (``fuse``, on the arguments it gets in this compile) and takes its body's place, the
+    checkpoint op kept; Inductor then recomputes the body in the backward, its regions' kernels
+    included (a region saves only its output and row statistics anyway). The ATen trace cannot
+    follow the checkpoint op, so the graph around the bodies is compiled unfused (explain()
+    says so where it holds a softmax)."""
+    inputs = _compat.subgraph_inputs(gm, example_inputs, set(checkpoints))
+    graph, env = copied(gm)
+    out = fx.GraphModule(gm, graph)
+    for n in checkpoints:
+        body = n.args[0].target
+        args = [materialised(x) for x in inputs[n]]
+        fused, inner = fuse(getattr(gm, body), args, max_autotune)
+        report.regions += inner.regions
+        report.fallbacks += inner.fallbacks
+        for phase, seconds in inner.seconds.items():
+            report.seconds[phase] = report.seconds.get(phase, 0.0) + seconds
+        if inner.regions:
+            setattr(out, body, fused)
+    for n in gm.graph.nodes:
+        if n not in checkpoints and n.op in ("call_function", "call_method") and _softmax_like(n.target):
+            report.fallbacks.append(Fallback(n.name, getattr(n.target, "__name__", str(n.target)),
+                                             "outside torch.utils.checkpoint in a graph that checkpoints: the ATen "
+                                             "trace cannot follow the checkpoint op, so only checkpointed bodies fuse",
+                                             source_line(n)))
+    report.graph = out
+    return out, report
+
+
+def _softmax_like(target) -> bool:
+    """A Dynamo graph's softmax or SDPA call (a function or a method name)."""
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return name in ("softmax", "log_softmax", "scaled_dot_product_attention")
+
+
+def materialised(x):
+    """A tensor with the layout, dtype, device and requires_grad of the fake ``x`` (others as
+    they are), uninitialised: what ``fuse`` traces with (its own fake copies are made from it)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
+    return t.requires_grad_(x.requires_grad)
+
+
 aten = torch.ops.aten
 # ATen ops that move no data: what remains of a graph around its regions when the user's function
 # is just attention (layout changes of q, k, v and of the output).
@@ -353,12 +402,14 @@ VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, ate
 
 
 def runs_as_is(gm: fx.GraphModule) -> bool:
-    """Nothing left for Inductor: only flashlight regions and views. Such a graph runs as the FX
-    module itself — Inductor would add seconds of compile at the first call and its wrapper's
-    cost to every call (~50 µs on the H200, docs/notes.md); the op's registered autograd serves
+    """Nothing left for Inductor: only flashlight regions, views and the empty tensors that
+    anchor dropout seeds to a device (``capture.rules``). Such a graph runs as the FX module
+    itself — Inductor would add seconds of compile at the first call and its wrapper's cost to
+    every call (~50 µs on the H200, docs/notes.md); the op's registered autograd serves
     training."""
     return all(n.op in ("placeholder", "output") or
-               (n.op == "call_function" and (n.target in VIEWS or getattr(n.target, "namespace", "") == "flashlight"))
+               (n.op == "call_function" and (n.target in VIEWS or n.target == aten.empty.memory_format
+                                             or getattr(n.target, "namespace", "") == "flashlight"))
                for n in gm.graph.nodes)
 
 

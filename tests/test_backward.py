@@ -1,6 +1,8 @@
 """Generated backward kernels (codegen/backward.py): gradients of every floating input match
 float64 eager, the generated kernel (not the reference VJP) ran, and what it does not support
 falls back to the reference with a reason. The derivative table is checked op by op."""
+import copy
+
 import pytest
 import torch
 
@@ -441,3 +443,62 @@ def test_a_gradient_of_a_gradient_matches_eager(variant):
     want = second_order(mod.attention, lambda x: x.double())
     for i, (a, b) in enumerate(zip(got, want)):
         assert rel_error(a, b) < 1e-3, i
+
+
+class _CheckpointedLayers(torch.nn.Module):
+    """Two pre-norm layers, each under ``torch.utils.checkpoint`` (the second nested one level
+    deeper), and an attention outside any checkpoint."""
+
+    def __init__(self, d: int, n: int):
+        super().__init__()
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(2))
+        self.bias = torch.nn.Parameter(torch.randn(n, n) / 4)
+
+    def layer(self, i, x):
+        q, k, v = self.proj[i](torch.nn.functional.layer_norm(x, x.shape[-1:])).chunk(3, -1)
+        s = q @ k.transpose(-1, -2) * 0.25 + self.bias
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).tril().logical_not(), float("-inf"))
+        return x + torch.softmax(s, -1) @ v
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        x = checkpoint(self.layer, 0, x, use_reentrant=False)
+        x = checkpoint(lambda y: checkpoint(self.layer, 1, y, use_reentrant=False) * 2, x, use_reentrant=False)
+        return attention(x, x, x, self.bias)
+
+
+def test_activation_checkpointing_fuses_each_checkpointed_body():
+    """``torch.utils.checkpoint`` (Dynamo's ``tag_activation_checkpoint``): each checkpointed body
+    fuses, nested ones too, and the checkpoint stays — the backward recomputes the bodies' regions
+    (their forward kernels run again) instead of saving what the bodies compute. Gradients of the
+    input and of every parameter match float64 eager. The graph around the bodies is compiled
+    unfused, and explain() names its softmax. Before, the whole graph went to Inductor, unfused."""
+    from flashlight.runtime import op
+    torch.manual_seed(0)
+    model, x = _CheckpointedLayers(16, 37), torch.randn(1, 2, 37, 16)
+    model64 = copy.deepcopy(model).double()
+    torch.compiler.reset()
+    report = flashlight.explain(model, x.clone().requires_grad_())
+    assert len(report.regions) == 2, report
+    assert [f.op for f in report.fallbacks] == ["softmax"] and "checkpoint" in report.fallbacks[0].reason, report
+    runs = []
+    run = op.CompiledRegion.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(self.key)
+        return run(self, *args, **kwargs)
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="flashlight")
+    w = torch.randn(x.shape)
+    leaves = [x.clone().requires_grad_(), x.double().requires_grad_()]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(op.CompiledRegion, "run", counted)
+        out = compiled(leaves[0])
+        assert len(runs) == 2
+        (out * w).sum().backward()
+        assert len(runs) == 4          # recomputed in the backward: the checkpoints were kept
+    (model64(leaves[1]) * w.double()).sum().backward()
+    assert rel_error(out, model64(leaves[1])) < 1e-5
+    assert rel_error(leaves[0].grad, leaves[1].grad) < 1e-3
+    for (name, p), p64 in zip(model.named_parameters(), model64.parameters()):
+        assert rel_error(p.grad, p64.grad) < 1e-3, name

@@ -44,6 +44,8 @@ def test_fuses_and_uses_the_mask_the_reference_draws():
     eye = torch.eye(N).expand(B, H, N, N)           # out = dropout(P) itself: the kernel's mask
     report = flashlight.explain(attn, q, k, eye)
     assert len(report.regions) == 1 and "dropout" in report.regions[0].features
+    from flashlight.runtime.op import region_direct     # the graph runs as is: seed, region, no Inductor
+    assert region_direct in {n.target for g in report.graphs for n in g.graph.nodes}
     assert not any(score_sized_nodes(g, B * H * M * N) for g in report.graphs)
     out = run(torch.compile(attn, backend="flashlight"), q, k, eye, seed=7)
     mask = kernel_mask(7)
@@ -53,13 +55,26 @@ def test_fuses_and_uses_the_mask_the_reference_draws():
     assert rel_error(out, probs(q, k) * mask / (1 - P)) < 1e-5
 
 
-def test_backward_recomputes_the_same_mask():
+def checkpointed(q, k, v):
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(attn, q, k, v, use_reentrant=False)
+
+
+@pytest.mark.parametrize("fn", [attn, checkpointed], ids=["plain", "checkpointed"])
+def test_backward_recomputes_the_same_mask(fn):
+    """The generated backward redraws the forward's mask from the saved seed. Under
+    ``torch.utils.checkpoint`` the backward recomputes the forward too: the seed op then runs
+    again from the generator state Inductor saved for it (it crashed before: Inductor's
+    ``run_and_save_rng_state`` found no device in the op's arguments)."""
     q, k = inputs()
     v = torch.randn(B, H, N, D)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     w = torch.randn(B, H, M, D)
+    torch.compiler.reset()
+    assert len(flashlight.explain(fn, *xs).regions) == 1
+    torch.compiler.reset()
     bwd = sum(c.bwd_launches for c in REGISTRY.values())
-    (run(torch.compile(attn, backend="flashlight"), *xs, seed=11) * w).sum().backward()
+    (run(torch.compile(fn, backend="flashlight"), *xs, seed=11) * w).sum().backward()
     assert sum(c.bwd_launches for c in REGISTRY.values()) > bwd    # the generated kernel redraws it
     mask = kernel_mask(11)
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v)]

@@ -138,11 +138,17 @@ def _dropout(b, node, x, p, train):
 
 def _seed_node(node: fx.Node) -> fx.Node:
     """The ``flashlight::seed`` call in front of ``node``: one per dropout, so regions that read
-    the same dropped-out tensor draw the same mask (dead code if no region is fused)."""
+    the same dropped-out tensor draw the same mask (dead code if no region is fused). It takes
+    an empty tensor on the device: under ``torch.utils.checkpoint`` Inductor wraps random ops in
+    ``run_and_save_rng_state``, which finds the device (whose generator state it saves for the
+    recompute) in a tensor argument."""
     from ..runtime import rng  # noqa: F401 — registers the op
     if "flashlight_seed" not in node.meta:
         with node.graph.inserting_before(node):
-            seed = node.graph.call_function(torch.ops.flashlight.seed.default, (meta(node).device,))
+            device = meta(node).device
+            anchor = node.graph.call_function(torch.ops.aten.empty.memory_format, ([0],), {"device": device})
+            anchor.meta["val"] = torch.empty(0, device="meta")
+            seed = node.graph.call_function(torch.ops.flashlight.seed.default, (anchor,))
         seed.meta["val"] = torch.empty((), dtype=torch.int64, device="meta")
         node.meta["flashlight_seed"] = seed
     return node.meta["flashlight_seed"]

@@ -12,10 +12,12 @@ import torch
 
 
 @torch.library.custom_op("flashlight::seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def seed(device: torch.device) -> torch.Tensor:
-    return torch.randint(0, 1 << 62, (), dtype=torch.int64, device=device)
+def seed(anchor: torch.Tensor) -> torch.Tensor:
+    """A seed drawn on ``anchor``'s device (an empty tensor: a tensor argument is how Inductor's
+    ``run_and_save_rng_state`` finds whose generator state to save under checkpointing)."""
+    return torch.randint(0, 1 << 62, (), dtype=torch.int64, device=anchor.device)
 
 
 @seed.register_fake
-def _seed_fake(device: torch.device) -> torch.Tensor:
-    return torch.empty((), dtype=torch.int64, device=device)
+def _seed_fake(anchor: torch.Tensor) -> torch.Tensor:
+    return torch.empty((), dtype=torch.int64, device=anchor.device)
