@@ -16,6 +16,8 @@ Backends (a call that one cannot make is "n/a" — printed "–" — never an er
     flashlight_b    flashlight again, compiled afresh, every call under the environment
                     variables of ``Env.b_env`` (``run --b-env FLASHLIGHT_TMA=1``): an A/B of an
                     env-gated code path in one process, on the same inputs
+    flashlight_cg   flashlight and flex under ``mode="reduce-overhead"`` (``run --cuda-graphs``):
+    flex_cg         Inductor's CUDA graph trees replay each call, the host path gone for both
 
 An exception in any backend is recorded in its ``note`` column and the run goes on.
 """
@@ -36,7 +38,7 @@ from flashlight.testing import rel_error
 
 from . import flops as fl
 from .report import NA
-from .suites import PROGRAMS, Case, Program, make_inputs
+from .suites import FLASHLIGHTS, PROGRAMS, Case, Program, make_inputs
 
 NO_KERNEL = ("No available kernel", "No viable backend")     # SDPA refusing these inputs
 REF_HEADS = 4             # heads the fp32 reference keeps when heads are independent
@@ -131,13 +133,14 @@ def flashlight_reports(run: Callable):
 
 
 # ------------------------------------------------------------------------------- backends
-def _flex_fn(env: Env, shared: dict):
-    """A fresh compiled ``flex_attention`` per case, shared by ``flex`` and ``flex_mask``."""
+def _flex_fn(env: Env, shared: dict, mode: str | None = None):
+    """A fresh compiled ``flex_attention`` per case and ``mode``, shared by ``flex`` and
+    ``flex_mask``."""
     from torch.nn.attention.flex_attention import flex_attention
     if env.cuda:
-        if "flex" not in shared:
-            shared["flex"] = torch.compile(flex_attention, dynamic=False)
-        return shared["flex"]
+        if mode not in shared:
+            shared[mode] = torch.compile(flex_attention, dynamic=False, mode=mode)
+        return shared[mode]
     # CPU: eager flex (its reference implementation) checks the spellings; it warns that it is
     # unfused, which a plumbing check knows
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -162,8 +165,8 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
     """A zero-argument call computing ``case``'s program on ``xs`` with ``backend``; ``shared``
     holds what the backends of one case share (the compiled flex)."""
     prog = PROGRAMS[case.program]
-    if backend == "flashlight":
-        fn = torch.compile(prog.fn, backend="flashlight", dynamic=False)
+    if backend in ("flashlight", "flashlight_cg"):
+        fn = torch.compile(prog.fn, backend="flashlight", dynamic=False, mode=CUDA_GRAPHS.get(backend))
         return lambda: fn(*xs)
     if backend == "flashlight_b":
         if not env.b_env:
@@ -178,14 +181,14 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
         return lambda: fn(*xs)
     if backend == "eager":
         return lambda: prog.fn(*xs)
-    if backend in ("flex", "flex_mask"):
+    if backend in ("flex", "flex_mask", "flex_cg"):
         if prog.flex is None:
             raise NotApplicable("FlexAttention cannot express this program")
         if backend == "flex_mask" and prog.mask_mod(xs) is None:
             raise NotApplicable("no mask")
         if case.mode == "fwd+bwd" and not env.cuda:
             raise NotApplicable("FlexAttention has no backward on CPU")
-        fn = _flex_fn(env, shared)
+        fn = _flex_fn(env, shared, CUDA_GRAPHS.get(backend))
         if backend == "flex_mask":
             return _flex_call(prog, xs, fn, lambda: block_mask(prog, xs))
         bm = block_mask(prog, xs)
@@ -204,6 +207,9 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
                 return call()
         return run
     raise KeyError(backend)
+
+
+CUDA_GRAPHS = {"flashlight_cg": "reduce-overhead", "flex_cg": "reduce-overhead"}    # backend -> compile mode
 
 
 def with_environ(values: dict, call: Callable):
@@ -285,7 +291,7 @@ def measure_backend(backend: str, case: Case, xs, leaves, dout, ref, env: Env, s
     try:
         call = build(backend, case, xs, env, shared)
         run = call if case.mode == "fwd" else with_backward(call, leaves, dout)
-        if backend in ("flashlight", "flashlight_b"):
+        if backend in FLASHLIGHTS:
             (results, first_s), graphs = flashlight_reports(lambda: timed_first_call(run, env))
             cell["fused"] = sum(len(g.regions) for g in graphs)
             fallbacks = [f for g in graphs for f in g.fallbacks]
@@ -297,7 +303,7 @@ def measure_backend(backend: str, case: Case, xs, leaves, dout, ref, env: Env, s
         if ref is not None:
             cell["err"] = max_rel_error(results, ref, case)
         del results
-        if backend in ("flashlight", "flashlight_b"):
+        if backend in FLASHLIGHTS:
             # kernels compiling in the background (the Gluon forward: runtime/background.py) take
             # over once ready; the time is measured, and the output checked, after that
             cell["ready_s"] = first_s + timed(flashlight.wait)

@@ -131,6 +131,8 @@ TABLE = [  # header, width, value(row), format
     ("xcomp", 6, vs("inductor"), ".2f"),
     ("xeager", 6, vs("eager"), ".2f"),
     ("xB", 5, lambda r: ratio(r, "flashlight_b") or "", ".3f"),
+    ("cg_ms", 7, lambda r: num(r.get("flashlight_cg_ms")) or "", ".3f"),
+    ("xfx_cg", 6, lambda r: ratio(r, "flex_cg", "flashlight_cg") or "", ".2f"),
     ("1st_fl", 6, lambda r: r.get("flashlight_first_s"), ".1f"),
     ("1st_fx", 6, lambda r: r.get("flex_first_s"), ".1f"),
     ("rdy_fl", 6, lambda r: r.get("flashlight_ready_s"), ".1f"),
@@ -140,7 +142,8 @@ LEGEND = ("fl_ms: Flashlight median ms; TF/s: its TFLOP/s of unmasked work; err:
           "fp32 eager (output, and q/k/v grads in training); xNAME = NAME ms / Flashlight ms "
           "(> 1: Flashlight faster); flex+bm: create_block_mask inside the call; sdpa: fastest "
           "SDPA backend; comp: torch.compile; xB: --b-env's A/B, Flashlight under those variables (ms) / "
-          "Flashlight (ms); 1st_*: first-call seconds (compile + tune); rdy_fl: seconds until "
+          "Flashlight (ms); cg_ms: Flashlight under --cuda-graphs (mode=\"reduce-overhead\"), xfx_cg: Flex's time "
+          "under it / cg_ms; 1st_*: first-call seconds (compile + tune); rdy_fl: seconds until "
           "Flashlight's background compiles were done too (the Gluon forward takes over then); "
           "–: n/a; err: failed (the CSV's *_note says why); blank: not run")
 

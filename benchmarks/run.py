@@ -157,6 +157,8 @@ def parse_args(argv=None):
                         "code (default: fresh ones per run, so every system's first call compiles cold)")
     p.add_argument("--b-env", help="also time flashlight_b: Flashlight with these environment variables, "
                    "e.g. FLASHLIGHT_TMA=1 (comma list of NAME=VALUE); the table's xB = B ms / A ms")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time flashlight_cg and flex_cg: both under mode=\"reduce-overhead\" (CUDA graphs)")
     p.add_argument("--list", action="store_true", help="print the cases and exit")
     return p.parse_args(argv)
 
@@ -193,6 +195,12 @@ def main(argv=None) -> int:
               b_env=dict(kv.split("=", 1) for kv in args.b_env.split(",")) if args.b_env else {})
     if env.b_env:       # right after flashlight in every case
         cases = [dataclasses.replace(c, backends=(c.backends[0], "flashlight_b", *c.backends[1:])) for c in cases]
+    if args.cuda_graphs:    # both after the rest (their CUDA graph pools stay allocated for the case)
+        graphed = ("flashlight_cg", "flex_cg")
+        cases = [dataclasses.replace(c, backends=(*c.backends, *(g for g in graphed if g[:-3] in c.backends)))
+                 for c in cases]
+        if env.backends:
+            env.backends += graphed
     out = args.out or default_out(args.device)
     os.makedirs(out, exist_ok=True)
     sink = CsvSink(os.path.join(out, "results.csv"))

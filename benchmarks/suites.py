@@ -29,7 +29,8 @@ from . import flex_equivalents as fe
 
 SUITES = ("flex", "sparsity", "beyond", "training", "decode")
 BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient",
-            "inductor", "eager", "flashlight_b")
+            "inductor", "eager", "flashlight_b", "flashlight_cg", "flex_cg")
+FLASHLIGHTS = ("flashlight", "flashlight_b", "flashlight_cg")     # the backends that compile with Flashlight
 
 
 @dataclass(frozen=True)

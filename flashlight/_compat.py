@@ -6,10 +6,19 @@ If a torch or Triton release moves one of these, this is the only file to fix.
 from __future__ import annotations
 
 
-def compile_fx(gm, example_inputs):
-    """Inductor's entry point, used for everything outside the fused regions."""
+def compile_fx(gm, example_inputs, config_patches: dict | None = None):
+    """Inductor's entry point, used for everything outside the fused regions, with Inductor
+    config changes (``mode_options``)."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
-    return _compile_fx(gm, example_inputs)
+    return _compile_fx(gm, example_inputs, config_patches=config_patches or None)
+
+
+def mode_options(mode: str | None, options: dict | None) -> dict:
+    """The Inductor config changes ``torch.compile(mode=..., options=...)`` asks for
+    (``torch._inductor.list_mode_options``: "reduce-overhead" turns on CUDA graphs), as
+    Inductor itself would apply them."""
+    from torch._inductor import list_mode_options
+    return {**(list_mode_options(mode) if mode and mode != "default" else {}), **(options or {})}
 
 
 def make_fx_pre_dispatch(fn, args):

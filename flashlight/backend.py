@@ -430,7 +430,7 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
+def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False, patches: dict | None = None):
     try:
         fused, report = fuse(gm, example_inputs, max_autotune)
     except Exception as e:  # noqa: BLE001 — never break a program eager runs; say why in explain()
@@ -440,10 +440,10 @@ def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False):
         fused, report = gm, GraphReport(fallbacks=[Fallback("graph", "-", reason, "")], graph=gm)
     for sink in _LISTENERS:
         sink.append(report)
-    if report.regions and runs_as_is(fused):
+    if report.regions and runs_as_is(fused) and not (patches or {}).get("triton.cudagraphs"):
         return direct_calls(fused).forward    # the graph's code itself: no nn.Module call (hook checks)
     t0 = time.perf_counter()
-    compiled = _compat.compile_fx(fused, list(example_inputs))
+    compiled = _compat.compile_fx(fused, list(example_inputs), patches)
     report.seconds["inductor"] = time.perf_counter() - t0
     return compiled
 
@@ -453,14 +453,14 @@ class PerShape:
     second sequence length): fused and compiled once per concrete input shape, at first call.
     The generated kernels do not depend on lengths, so Triton compiles each only once."""
 
-    def __init__(self, gm: fx.GraphModule, max_autotune: bool):
-        self.gm, self.max_autotune, self.compiled = gm, max_autotune, {}
+    def __init__(self, gm: fx.GraphModule, max_autotune: bool, patches: dict):
+        self.gm, self.max_autotune, self.patches, self.compiled = gm, max_autotune, patches, {}
 
     def __call__(self, *args):
         key = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a
                     for a in args)
         if key not in self.compiled:
-            self.compiled[key] = _compile(self.gm, args, self.max_autotune)
+            self.compiled[key] = _compile(self.gm, args, self.max_autotune, self.patches)
         return self.compiled[key](*args)
 
 
@@ -472,8 +472,11 @@ def wants_autotune(mode: str | None, options: dict | None) -> bool:
 
 
 def flashlight_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
-    """``torch.compile(fn, backend="flashlight")``: fuse attention regions, Inductor for the rest."""
-    tune = wants_autotune(mode, options)
+    """``torch.compile(fn, backend="flashlight")``: fuse attention regions, Inductor for the rest,
+    with the Inductor options ``mode`` and ``options`` ask for. Under CUDA graphs
+    (``mode="reduce-overhead"`` or ``"max-autotune"``) a graph of regions alone goes to Inductor
+    too, whose CUDA graph trees then replay the regions' launches with the rest."""
+    tune, patches = wants_autotune(mode, options), _compat.mode_options(mode, options)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
         # probe on the example (hint) values: a graph with nothing to fuse keeps Inductor's
@@ -487,8 +490,8 @@ def flashlight_backend(gm: fx.GraphModule, example_inputs, mode: str | None = No
             probe = GraphReport(fallbacks=[Fallback("graph", "-", f"internal error, compiled without fusion: "
                                                     f"{type(e).__name__}: {e}", "")], graph=gm)
         if probe.regions:
-            return PerShape(gm, tune)
+            return PerShape(gm, tune, patches)
         for sink in _LISTENERS:
             sink.append(probe)
-        return _compat.compile_fx(gm, list(example_inputs))
-    return _compile(gm, example_inputs, tune)
+        return _compat.compile_fx(gm, list(example_inputs), patches)
+    return _compile(gm, example_inputs, tune, patches)

@@ -92,6 +92,21 @@ def test_flex_case_end_to_end(tmp_path, monkeypatch):
     assert (tmp_path / "speedup_flex.png").exists() and (tmp_path / "tflops_flex.png").exists()
 
 
+def test_cuda_graphs_time_flashlight_and_flex_under_reduce_overhead(tmp_path, monkeypatch):
+    """``--cuda-graphs`` adds flashlight_cg and flex_cg (both ``mode="reduce-overhead"``) after
+    the case's backends, where their base backend runs; each is checked against the reference
+    like the others (on CPU Inductor runs them without CUDA graphs: a plumbing check)."""
+    rows = run_case(tmp_path, monkeypatch, "--suite", "flex", "--only", "causal", "--backends", "flashlight,flex",
+                    "--cuda-graphs", "--no-plots")
+    r = rows[0]
+    for b in ("flashlight_cg", "flex_cg"):
+        assert r[f"{b}_ok"] == "True" and float(r[f"{b}_err"]) < 1e-4, (b, r[f"{b}_note"])
+    assert r["sdpa_flash_ms"] == ""                   # not selected, and so not graphed either
+    rows = run_case(tmp_path / "beyond", monkeypatch, "--suite", "beyond", "--only", "diff_attention",
+                    "--backends", "flashlight", "--cuda-graphs", "--no-plots")
+    assert rows[0]["flashlight_cg_ok"] == "True" and rows[0]["flex_cg_ms"] == ""     # Flex was not run
+
+
 def test_training_case_checks_gradients(tmp_path, monkeypatch):
     """A fwd+bwd case compares the output and the q/k/v gradients and counts 3.5x the FLOPs."""
     rows = run_case(tmp_path, monkeypatch, "--suite", "training", "--only", "causal",

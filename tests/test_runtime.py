@@ -173,7 +173,7 @@ def test_dynamic_graph_without_attention_compiles_once(monkeypatch):
     from flashlight import _compat
     calls = []
     real = _compat.compile_fx
-    monkeypatch.setattr(_compat, "compile_fx", lambda gm, ex: calls.append(1) or real(gm, ex))
+    monkeypatch.setattr(_compat, "compile_fx", lambda gm, ex, *rest: calls.append(1) or real(gm, ex, *rest))
 
     def mlp(x, w):
         return torch.relu(x @ w).sum(-1)
@@ -194,6 +194,25 @@ def test_internal_error_falls_back_with_reason(monkeypatch):
     assert not report.regions and "internal error" in report.fallbacks[0].reason
     out = torch.compile(causal.attention, backend="flashlight")(*inputs)
     assert rel_error(out, causal.attention(*(to64(x) for x in inputs))) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_compile_mode_reaches_inductor(monkeypatch, mode):
+    """``torch.compile(mode=...)`` gives Inductor the options it gives without Flashlight
+    (``torch._inductor.list_mode_options``). Under CUDA graphs
+    ("reduce-overhead") a graph of regions alone goes to Inductor too, so that its CUDA graph
+    trees replay the regions' launches (on the GPU: ``test_gpu``); without, it runs as is.
+    Outputs stay exact either way."""
+    from flashlight import _compat
+    patches = []
+    real = _compat.compile_fx
+    monkeypatch.setattr(_compat, "compile_fx", lambda gm, ex, p=None: patches.append(p) or real(gm, ex, p))
+    q, k, v = causal.make_inputs(B=1, H=2, M=20, D=16)
+    torch.compiler.reset()
+    fn = torch.compile(causal.attention, backend="flashlight", mode=mode)
+    assert rel_error(fn(q, k, v), causal.attention(*(to64(x) for x in (q, k, v)))) < 1e-5
+    cudagraphs = mode == "reduce-overhead"
+    assert patches == ([{"triton.cudagraphs": True}] if cudagraphs else [])
 
 
 def test_graph_of_only_regions_and_views_skips_inductor(monkeypatch):
