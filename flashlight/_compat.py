@@ -392,10 +392,16 @@ def warm(kernel, grid, args, meta) -> None:
     """Compile ``kernel`` (a ``FastLaunch`` or a ``@triton.jit`` function) for the launch
     ``kernel[grid](*args, **meta)`` without launching it, its launcher prebuilt beside the
     compile: the work of a background compile thread (``runtime.background``). The launch
-    itself then finds both in Triton's caches."""
+    itself then finds both in Triton's caches. The compiled kernel's module is loaded here too
+    (``CompiledKernel._init_handles``, Triton-private; Triton would load it at the first
+    launch): that launch may come inside a CUDA graph capture (``mode="reduce-overhead"``), where
+    the CUDA driver refuses ``cuModuleLoadData`` on the capturing thread, not on this one
+    (Inductor's CUDA graph trees capture in thread-local mode)."""
     fn = kernel.fn if isinstance(kernel, FastLaunch) else kernel
     prebuild_launcher(fn, args, meta)
-    fn.warmup(*args, grid=grid, **meta)
+    compiled = fn.warmup(*args, grid=grid, **meta)
+    if getattr(compiled, "module", False) is None:      # a CompiledKernel not loaded yet
+        compiled._init_handles()
 
 
 def fast_launch(fn, interpret: bool):
