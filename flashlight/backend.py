@@ -355,8 +355,7 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
     follow the checkpoint op, so the graph around the bodies is compiled unfused (explain()
     says so where it holds a softmax)."""
     inputs = _compat.subgraph_inputs(gm, example_inputs, set(checkpoints))
-    graph, env = copied(gm)
-    out = fx.GraphModule(gm, graph)
+    out = fx.GraphModule(gm, copied(gm)[0])
     for n in checkpoints:
         body = n.args[0].target
         args = [materialised(x) for x in inputs[n]]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -183,12 +184,14 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # SDPA's spelling of the same map (drawn last, likewise): where it can say the program
     sdpa = rng.random() < 0.25 and not softcap and not sink and stop not in ("scores", "no_grad")
     grads = grads or stop != "none"
+    # the whole program under torch.utils.checkpoint (drawn last, likewise): its body fuses apart
+    checkpointed = rng.random() < 0.15
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
-            f"sdpa={sdpa}")
-    return Program(desc, program, (q, k, v, *extra.values()), grads=grads,
-                   oracle=lambda *xs: program(*xs, oracle=True))
+            f"sdpa={sdpa} checkpointed={checkpointed}")
+    fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else program
+    return Program(desc, fn, (q, k, v, *extra.values()), grads=grads, oracle=lambda *xs: program(*xs, oracle=True))
 
 
 def reference(p: Program) -> torch.Tensor:
