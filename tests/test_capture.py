@@ -119,6 +119,28 @@ def test_scores_used_elsewhere_still_correct():
     assert rel_error(out, ref_out) < 1e-3 and rel_error(p, ref_p) < 1e-5
 
 
+def test_scores_compared_with_their_own_top_k_fall_back():
+    """Top-k attention with the top-k outside the region: the kernel would compare its
+    recomputed scores with the k-th score as the outside matmul computed it, and the comparison
+    flipped at the k-th score itself in about half the rows (a 9 % error in fp32). It falls back,
+    with the reason, and matches float64; the same scores used smoothly outside (a detached
+    copy added back) still fuse."""
+    def top_k(q, k, v):
+        s = q @ k.mT * 0.25
+        return torch.softmax(s.masked_fill(s < s.topk(8, dim=-1).values[..., -1:], float("-inf")), -1) @ v
+
+    def smooth(q, k, v):
+        s = q @ k.mT * 0.25
+        return torch.softmax(s + 0.5 * s.detach().tanh(), -1) @ v
+    torch.manual_seed(0)
+    xs = qkv()
+    report = flashlight.explain(top_k, *xs)
+    assert not report.regions and "compared with" in report.fallbacks[0].reason, report
+    assert rel_error(torch.compile(top_k, backend="flashlight")(*xs), top_k(*(x.double() for x in xs))) < 1e-5
+    assert len(flashlight.explain(smooth, *xs).regions) == 1
+    assert rel_error(torch.compile(smooth, backend="flashlight")(*xs), smooth(*(x.double() for x in xs))) < 1e-5
+
+
 def test_plain_matmuls_are_left_alone():
     def mlp(x, w1, w2):
         return torch.relu(x @ w1) @ w2

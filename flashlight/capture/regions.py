@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..ir import Expr, Input, Region, Row, const, free_vars, refs
+from ..ir import Expr, Input, Region, Row, const, free_vars, refs, walk
 from .epilogue import CONTRACTIONS, extend, packet
 from .rules import einsum_letters, permute_back
 from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, meta, static_shape
@@ -136,7 +136,33 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
         out_shape=None if epi.store is None else static_shape(meta(root)), out_index=epi.store,
         rows=[Row(e, meta(n).dtype) for n, e in rows.items()],
     )
-    return Match(root, region, list(b.inputs), b.inner | epi.nodes | set(rows), list(rows)), b
+    inner = b.inner | epi.nodes | set(rows)
+    _check_no_recomputed_comparison(region, list(b.inputs), inner, contraction)
+    return Match(root, region, list(b.inputs), inner, list(rows)), b
+
+
+COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+def _check_no_recomputed_comparison(region: Region, leaves: list[fx.Node], inner: set[fx.Node],
+                                    contraction: fx.Node) -> None:
+    """Refuse a region that compares its scores with a value computed from those same scores
+    outside it (top-k attention: ``s < s.topk(k).values[..., -1:]``, the top-k outside).
+    The kernel recomputes the scores, and a recomputed product need not be bitwise what the
+    outside op read: at the k-th score itself the comparison flips (a 9 % output error in
+    fp32 before this check). Smooth uses of such a value (``s + s.detach()``) differ only by
+    rounding and still fuse."""
+    derived = {i for i, leaf in enumerate(leaves) if ({leaf} | _upstream({leaf})) & inner}
+    if not derived:
+        return
+    exprs = [region.out, *(r.body for r in region.reductions), *(row.expr for row in region.rows)]
+    for e in exprs:
+        for x in walk(e):
+            if x.op in COMPARISONS and refs(x, "load") & derived and refs(x, "dot"):
+                names = ", ".join(region.inputs[i].name for i in sorted(refs(x, "load") & derived))
+                raise Unsupported(f"the scores are compared with {names}, computed from them outside the region: the "
+                                  "kernel's recomputed scores are not bitwise those, and the comparison would flip at "
+                                  "equal values", contraction)
 
 
 def _downstream(nodes: set[fx.Node]) -> set[fx.Node]:
