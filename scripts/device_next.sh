@@ -1,13 +1,17 @@
-# Session 16's device plan (written in session 15, which had no device). One part per `run`
+# The next device plan (written in sessions 15 and 16, which had no device). One part per `run`
 # call, from the repository root: `bash scripts/device_next.sh S1` (the machine stays warm 30 s
 # after a call: chain the next call at once).
 #   S1 (~9 min): the GPU tests in full (the Gluon kernels now launch through FastLaunch with their
-#     descriptors, never run on a GPU yet; test_gpu covers the forward, dK/dV and dQ), then part 3
-#     (the document step, this code against session 10's: carry .s10, see below).
+#     descriptors, never run on a GPU yet; test_gpu covers the forward, dK/dV and dQ, and, new in
+#     session 16, CUDA graph replay under mode="reduce-overhead"), then part 3 (the document step,
+#     this code against session 10's: carry .s10, see below).
 #   S2 (~9 min): the sparsity suite (the new document_12_sdpa case: SDPA-spelled document mask,
 #     fused, against torch.compile's SDPA call and Flex) and the cold first calls of session 14's
 #     four misses with the new phase columns (timers, not cProfile), Flex beside them.
 #   S3 (~9 min): issue #5's training table again, then the D=64 flex suite (cuDNN at 16384).
+#   S4 (~6 min, session 16): Flashlight and Flex both under mode="reduce-overhead" (--cuda-graphs:
+#     CUDA graph replay, no host path) on the host-bound cases: the flex suite at 16x1024 (the
+#     document mask's 0.77x) and the training steps of causal and the document mask.
 # Part 3 needs session 10's tree carried:
 #   git archive ffd254c | (mkdir -p .s10 && tar -x -C .s10); echo /.s10/ >> .git/info/exclude
 #   run(command="bash scripts/device_next.sh S1", carry=[".s10"])
@@ -62,6 +66,14 @@ S3)
   timeout -k 10 280 python3 -m benchmarks.run --suite flex --dims 64 --backends flashlight,flex,sdpa_cudnn \
     --time-limit 250 --out $OUT/flex64 > $OUT/flex64.txt 2>&1
   echo "flex64 rc $?"; tail -27 $OUT/flex64.txt | cut -c1-170
+  ;;
+S4)
+  timeout -k 10 250 python3 -m benchmarks.run --suite flex --shapes 16x1024 --backends flashlight,flex --cuda-graphs \
+    --no-plots --time-limit 220 --out $OUT/cg_flex > $OUT/cg_flex.txt 2>&1
+  echo "cuda graphs, flex rc $?"; tail -22 $OUT/cg_flex.txt | cut -c1-190
+  timeout -k 10 100 python3 -m benchmarks.run --suite training --only causal,document_mask --backends flashlight,flex \
+    --cuda-graphs --no-plots --time-limit 80 --out $OUT/cg_training > $OUT/cg_training.txt 2>&1
+  echo "cuda graphs, training rc $?"; tail -10 $OUT/cg_training.txt | cut -c1-190
   ;;
 1)  # session 14's first call (~9.5 min): the smoke gates the Gluon tile kernels' half of the A/B
   tiles=all
