@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import flashlight
 from flashlight.testing import reference, rel_error
-from helpers import check_fused, check_grads
+from helpers import check_fused, check_grads, grads
 
 B, H, M, N, D = 2, 2, 21, 35, 16
 
@@ -119,26 +119,68 @@ def test_scores_used_elsewhere_still_correct():
     assert rel_error(out, ref_out) < 1e-3 and rel_error(p, ref_p) < 1e-5
 
 
-def test_scores_compared_with_their_own_top_k_fall_back():
-    """Top-k attention with the top-k outside the region: the kernel would compare its
-    recomputed scores with the k-th score as the outside matmul computed it, and the comparison
-    flipped at the k-th score itself in about half the rows (a 9 % error in fp32). It falls back,
-    with the reason, and matches float64; the same scores used smoothly outside (a detached
-    copy added back) still fuse."""
-    def top_k(q, k, v):
-        s = q @ k.mT * 0.25
-        return torch.softmax(s.masked_fill(s < s.topk(8, dim=-1).values[..., -1:], float("-inf")), -1) @ v
+def _top_k(q, k, v):
+    s = q @ k.mT * 0.25
+    return torch.softmax(s.masked_fill(s < s.topk(8, dim=-1).values[..., -1:], float("-inf")), -1) @ v
 
+
+def _threshold_of_a_second_product(q, k, v):
+    s = q @ k.mT * 0.25
+    with torch.no_grad():
+        t = (q @ k.mT * 0.25).topk(6, dim=-1).values[..., -1:]
+    return torch.softmax(s.masked_fill(s < t, float("-inf")), -1) @ v
+
+
+def _hard_attention_on_a_detached_max(q, k, v):
+    s = q @ k.mT * 0.25
+    return torch.softmax(s.masked_fill(s != s.detach().amax(-1, keepdim=True), float("-inf")), -1) @ v
+
+
+def _sign_against_top_k(q, k, v):
+    s = q @ k.mT * 0.25
+    return torch.softmax(s + torch.sign(s - s.topk(6, dim=-1).values[..., -1:]), -1) @ v
+
+
+def _relu_above_top_k(q, k, v):
+    s = q @ k.mT * 0.25
+    p = torch.relu(s - s.topk(4, dim=-1).values[..., -1:])
+    return (p / (p.sum(-1, keepdim=True) + 1e-6)) @ v
+
+
+@pytest.mark.parametrize("fn", [_top_k, _threshold_of_a_second_product, _hard_attention_on_a_detached_max,
+                                _sign_against_top_k, _relu_above_top_k], ids=lambda f: f.__name__[1:])
+def test_scores_meeting_a_value_from_a_product_fall_back(fn):
+    """Thresholds taken from the scores outside the region (top-k, a second product, a detached
+    row max, the k-th score under sign or relu): the kernel recomputes the scores, not bitwise
+    as eager's single product, and the comparison flipped at the k-th score itself (output
+    errors of 3-66 % in fp32), or, for relu, the backward's kernels split its tie differently
+    (dQ 28 % off). Each falls back with the reason; output and gradients match float64."""
+    torch.manual_seed(0)
+    xs = [x.requires_grad_() for x in qkv()]
+    report = flashlight.explain(fn, *xs)
+    assert not report.regions and "flip" in report.fallbacks[0].reason, report
+    inputs = [x.detach() for x in xs]
+    assert rel_error(torch.compile(fn, backend="flashlight")(*inputs), fn(*(x.double() for x in inputs))) < 1e-5
+    for a, b in zip(grads(torch.compile(fn, backend="flashlight"), inputs, fp64=False), grads(fn, inputs, fp64=True)):
+        assert rel_error(a, b) < 1e-4
+
+
+def test_scores_meeting_their_own_values_still_fuse():
+    """The same scores used smoothly outside (a detached copy added back), a threshold from an
+    input, and hard attention against the kernel's own row max without gradients: fused, exact."""
     def smooth(q, k, v):
         s = q @ k.mT * 0.25
         return torch.softmax(s + 0.5 * s.detach().tanh(), -1) @ v
+
+    def input_threshold(q, k, v, t):
+        s = q @ k.mT * 0.25
+        return torch.softmax(s.masked_fill(s < t, float("-inf")), -1) @ v
     torch.manual_seed(0)
     xs = qkv()
-    report = flashlight.explain(top_k, *xs)
-    assert not report.regions and "compared with" in report.fallbacks[0].reason, report
-    assert rel_error(torch.compile(top_k, backend="flashlight")(*xs), top_k(*(x.double() for x in xs))) < 1e-5
-    assert len(flashlight.explain(smooth, *xs).regions) == 1
-    assert rel_error(torch.compile(smooth, backend="flashlight")(*xs), smooth(*(x.double() for x in xs))) < 1e-5
+    for fn, args in ((smooth, xs), (input_threshold, (*xs, torch.randn(B, H, M, 1))),
+                     (_hard_attention_on_a_detached_max, xs)):
+        assert len(flashlight.explain(fn, *args).regions) == 1, fn.__name__
+        assert rel_error(torch.compile(fn, backend="flashlight")(*args), reference(fn, *args)) < 1e-5
 
 
 def test_plain_matmuls_are_left_alone():

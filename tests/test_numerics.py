@@ -1,7 +1,9 @@
-"""Numerics at the edges of the input dtype: masks at finfo.min, logits beyond fp16's range."""
+"""Numerics at the edges of the input dtype: masks at finfo.min, logits beyond fp16's range, integer
+arithmetic at the edges of the kernel's int32 and of narrow integer dtypes."""
 import pytest
 import torch
 
+import flashlight
 from flashlight.examples import causal, key_padding
 from flashlight.testing import reference, rel_error
 from helpers import check_fused
@@ -39,3 +41,60 @@ def test_float_index_arithmetic_divides_exactly():
         return torch.softmax(s, -1) @ v
     q, k, v = (torch.randn(1, 1, 96, 16) for _ in range(3))
     check_fused(chunked, q, k, v)
+
+
+def _positions(q, k, dtype=torch.int64):
+    return torch.arange(q.shape[-2], dtype=dtype)[:, None], torch.arange(k.shape[-2], dtype=dtype)[None, :]
+
+
+def _hash_of_positions(q, k, v, pad):
+    i, j = _positions(q, k)         # int64 in eager: no wrap
+    return torch.softmax((q @ k.mT * 0.25).masked_fill((i * 173856093 + j * 19349663) % 97 >= 48, float("-inf")), -1) @ v
+
+
+def _constant_beyond_int32(q, k, v, pad):
+    i, j = _positions(q, k)
+    return torch.softmax((q @ k.mT * 0.25).masked_fill((i * 2654435761 + j) % 97 >= 60, float("-inf")), -1) @ v
+
+
+def _int32_positions_that_wrap(q, k, v, pad):
+    i, j = _positions(q, k, torch.int32)     # int32 in eager: (i - j) * 2**28 wraps
+    return torch.softmax((q @ k.mT * 0.25).masked_fill((i - j) * 2 ** 28 < 0, float("-inf")), -1) @ v
+
+
+def _uint8_below_zero(q, k, v, pad):
+    return torch.softmax((q @ k.mT * 0.25).masked_fill((pad[:, None, None, :] - 1) > 0, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("fn", [_hash_of_positions, _constant_beyond_int32, _int32_positions_that_wrap,
+                                _uint8_below_zero], ids=lambda f: f.__name__[1:])
+def test_integer_arithmetic_beyond_the_kernels_range_falls_back(fn):
+    """The kernel computes index arithmetic in int32 and does not wrap narrow integer tensors:
+    a hash of int64 positions overflowed it (output error 1.04), a constant beyond int32 crashed
+    it, the block scan skipped blocks by the unwrapped values of int32 positions that eager
+    wraps (0.62), and a uint8 ``pad - 1`` that eager wraps to 255 was -1 (0.58). Each falls back
+    with the reason (``ir.bounds``) and matches float64."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 33, 16), torch.randn(1, 2, 33, 16)
+    pad = torch.randint(0, 2, (1, 33), dtype=torch.uint8)
+    pad[:, 0] = 1
+    report = flashlight.explain(fn, q, k, v, pad)
+    assert not report.regions and "range" in report.fallbacks[0].reason, report
+    out = torch.compile(fn, backend="flashlight")(q, k, v, pad)     # unfused: eager's NaN rows
+    assert rel_error(out.nan_to_num(), reference(fn, q, k, v, pad)) < 1e-5
+
+
+def test_integer_arithmetic_within_range_still_fuses():
+    """Within range, integer masks fuse: chunks by floor division, a uint8 padding compared as
+    is, windows over int32 positions, int64 document ids (their values unknown here: taken as
+    moderate, as eager's own arithmetic on them does)."""
+    def masks(q, k, v, pad, ids):
+        i, j = _positions(q, k, torch.int32)
+        keep = (i // 8 == j // 8) | ((pad[:, None, None, :] == 1) & ((i - j).abs() < 5)) | \
+            (ids[:, None, :20, None] * 3 - 1 == ids[:, None, None, :] * 3 - 1)
+        return torch.softmax((q @ k.mT * 0.25).masked_fill(~keep, float("-inf")), -1) @ v
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 33, 16), torch.randn(1, 2, 33, 16)
+    pad = torch.randint(0, 2, (1, 33), dtype=torch.uint8)
+    ids = torch.sort(torch.randint(0, 3, (1, 33))).values
+    check_fused(masks, q, k, v, pad, ids)

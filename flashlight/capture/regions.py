@@ -18,7 +18,7 @@ import torch.fx as fx
 from ..ir import Expr, Input, Region, Row, const, free_vars, refs, walk
 from .epilogue import CONTRACTIONS, extend, packet
 from .rules import einsum_letters, permute_back
-from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, meta, static_shape
+from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, carries_grad, meta, static_shape
 
 aten = torch.ops.aten
 SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
@@ -136,33 +136,60 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
         out_shape=None if epi.store is None else static_shape(meta(root)), out_index=epi.store,
         rows=[Row(e, meta(n).dtype) for n, e in rows.items()],
     )
-    inner = b.inner | epi.nodes | set(rows)
-    _check_no_recomputed_comparison(region, list(b.inputs), inner, contraction)
-    return Match(root, region, list(b.inputs), inner, list(rows)), b
+    _check_no_recomputed_jump(region, list(b.inputs), carries_grad(root) or any(carries_grad(n) for n in rows), contraction)
+    return Match(root, region, list(b.inputs), b.inner | epi.nodes | set(rows), list(rows)), b
 
 
-COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
+# Ops of the scores whose value jumps (comparisons, rounding, casts to integer or boolean) or,
+# in training, whose derivative jumps (kinks), at some score value.
+JUMPS = ("eq", "ne", "lt", "le", "gt", "ge", "sign", "floor", "ceil", "round", "to_i", "to_b", "floordiv", "mod")
+KINKS = ("relu", "abs", "maximum", "minimum")
+PRODUCTS = {aten.matmul, aten.bmm, aten.einsum, aten.baddbmm, aten.mm, aten.addmm, aten.linear}
 
 
-def _check_no_recomputed_comparison(region: Region, leaves: list[fx.Node], inner: set[fx.Node],
-                                    contraction: fx.Node) -> None:
-    """Refuse a region that compares its scores with a value computed from those same scores
-    outside it (top-k attention: ``s < s.topk(k).values[..., -1:]``, the top-k outside).
-    The kernel recomputes the scores, and a recomputed product need not be bitwise what the
-    outside op read: at the k-th score itself the comparison flips (a 9 % output error in
-    fp32 before this check). Smooth uses of such a value (``s + s.detach()``) differ only by
-    rounding and still fuse."""
-    derived = {i for i, leaf in enumerate(leaves) if ({leaf} | _upstream({leaf})) & inner}
+def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentiated: bool,
+                              contraction: fx.Node) -> None:
+    """Refuse a region whose scores meet, in a comparison or another op that jumps (a kink in
+    training), a value the kernel loads that was computed from a product outside it: top-k
+    attention (``s < s.topk(k).values[..., -1:]``), a threshold from a second ``q @ k^T``, hard
+    attention against a detached row max (the row max over the loaded detached copy).
+    Eager computes both sides from one product, bitwise; the kernel recomputes the scores, and
+    a recomputed product need not be bitwise what the outside op read, so at the k-th score
+    itself the comparison flips (a 9 % output error in fp32), and in training the backward's
+    kernels put a kink's tie on either side (dQ 30 % off). Smooth uses of such a value
+    (``s + s.detach()``) differ only by rounding and still fuse; so do thresholds from inputs,
+    constants or the kernel's own reductions."""
+    derived = {i for i, leaf in enumerate(leaves)
+               if any(packet(n) in PRODUCTS for n in {leaf} | _upstream({leaf}))}
     if not derived:
         return
-    exprs = [region.out, *(r.body for r in region.reductions), *(row.expr for row in region.rows)]
-    for e in exprs:
+    ops = JUMPS + (KINKS if differentiated else ())
+    memo: dict[int, tuple[bool, frozenset[int]]] = {}
+
+    def reach(e: Expr) -> tuple[bool, frozenset[int]]:
+        """Whether ``e`` reads the scores, and the inputs it loads, through the max and sum
+        reductions of the scores it reads (not through P @ V products)."""
+        dots, loads = bool(refs(e, "dot")), refs(e, "load")
+        for j in refs(e, "red"):
+            r = region.reductions[j]
+            if r.kind == "dot":
+                continue
+            if j not in memo:
+                memo[j] = (False, frozenset())      # a reduction never reads itself
+                parts = [reach(x) for x in (r.body, r.extra) if x is not None]
+                memo[j] = (any(d for d, _ in parts), frozenset().union(*(ls for _, ls in parts)))
+            dots, loads = dots or memo[j][0], loads | memo[j][1]
+        return dots, loads
+
+    for e in [region.out, *(r.body for r in region.reductions), *(row.expr for row in region.rows)]:
         for x in walk(e):
-            if x.op in COMPARISONS and refs(x, "load") & derived and refs(x, "dot"):
-                names = ", ".join(region.inputs[i].name for i in sorted(refs(x, "load") & derived))
-                raise Unsupported(f"the scores are compared with {names}, computed from them outside the region: the "
-                                  "kernel's recomputed scores are not bitwise those, and the comparison would flip at "
-                                  "equal values", contraction)
+            if x.op in ops:
+                dots, loads = reach(x)
+                if dots and loads & derived:
+                    names = ", ".join(region.inputs[i].name for i in sorted(loads & derived))
+                    raise Unsupported(f"the scores meet {names} in {x.op}, a value computed outside the region from a "
+                                      "product: the kernel recomputes the scores, not bitwise as eager's one product, "
+                                      "and at equal values the result would flip", contraction)
 
 
 def _downstream(nodes: set[fx.Node]) -> set[fx.Node]:
