@@ -196,11 +196,11 @@ def main(argv=None) -> int:
     if env.b_env:       # right after flashlight in every case
         cases = [dataclasses.replace(c, backends=(c.backends[0], "flashlight_b", *c.backends[1:])) for c in cases]
     if args.cuda_graphs:    # both after the rest (their CUDA graph pools stay allocated for the case)
-        graphed = ("flashlight_cg", "flex_cg")
+        graphed = [g for g in ("flashlight_cg", "flex_cg") if env.backends is None or g[:-3] in env.backends]
         cases = [dataclasses.replace(c, backends=(*c.backends, *(g for g in graphed if g[:-3] in c.backends)))
                  for c in cases]
         if env.backends:
-            env.backends += graphed
+            env.backends += tuple(graphed)
     out = args.out or default_out(args.device)
     os.makedirs(out, exist_ok=True)
     sink = CsvSink(os.path.join(out, "results.csv"))

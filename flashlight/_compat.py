@@ -16,8 +16,13 @@ def compile_fx(gm, example_inputs, config_patches: dict | None = None):
 def mode_options(mode: str | None, options: dict | None) -> dict:
     """The Inductor config changes ``torch.compile(mode=..., options=...)`` asks for
     (``torch._inductor.list_mode_options``: "reduce-overhead" turns on CUDA graphs), as
-    Inductor itself would apply them."""
-    from torch._inductor import list_mode_options
+    Inductor itself would apply them; an option Inductor does not know raises its error
+    (``torch._inductor.config.get_config_copy`` lists them)."""
+    from torch._inductor import config, list_mode_options
+    known = config.get_config_copy()
+    for key in options or {}:
+        if key not in known:
+            raise RuntimeError(f"Unexpected optimization option {key}: not one of torch._inductor.config's")
     return {**(list_mode_options(mode) if mode and mode != "default" else {}), **(options or {})}
 
 

@@ -367,7 +367,7 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
         if inner.regions:
             setattr(out, body, fused)
     for n in gm.graph.nodes:
-        if n not in checkpoints and n.op in ("call_function", "call_method") and _softmax_like(n.target):
+        if n not in checkpoints and (_named(n, SOFTMAXES[2:]) or _named(n, SOFTMAXES) and _between_products(n)):
             report.fallbacks.append(Fallback(n.name, getattr(n.target, "__name__", str(n.target)),
                                              "outside torch.utils.checkpoint in a graph that checkpoints: the ATen "
                                              "trace cannot follow the checkpoint op, so only checkpointed bodies fuse",
@@ -376,10 +376,28 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
     return out, report
 
 
-def _softmax_like(target) -> bool:
-    """A Dynamo graph's softmax or SDPA call (a function or a method name)."""
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    return name in ("softmax", "log_softmax", "scaled_dot_product_attention")
+SOFTMAXES = ("softmax", "log_softmax", "scaled_dot_product_attention")
+PRODUCTS = ("matmul", "bmm", "baddbmm", "einsum")
+
+
+def _named(node: fx.Node, names: tuple[str, ...]) -> bool:
+    """A Dynamo graph's call of a function or method of one of these names."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    return (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")) in names
+
+
+def _between_products(node: fx.Node, depth: int = 8) -> bool:
+    """An attention's softmax: a product among the last few producers of its input and among
+    the first few users of its output (not a classifier head's log_softmax)."""
+    def near(step) -> bool:
+        frontier = [node]
+        for _ in range(depth):
+            frontier = [x for n in frontier for x in step(n)]
+            if any(_named(n, PRODUCTS) for n in frontier):
+                return True
+        return False
+    return near(lambda n: n.all_input_nodes) and near(lambda n: n.users)
 
 
 def materialised(x):
@@ -439,12 +457,19 @@ def _compile(gm: fx.GraphModule, example_inputs, max_autotune: bool = False, pat
         fused, report = gm, GraphReport(fallbacks=[Fallback("graph", "-", reason, "")], graph=gm)
     for sink in _LISTENERS:
         sink.append(report)
-    if report.regions and runs_as_is(fused) and not (patches or {}).get("triton.cudagraphs"):
+    if report.regions and runs_as_is(fused) and not graphed(example_inputs, patches):
         return direct_calls(fused).forward    # the graph's code itself: no nn.Module call (hook checks)
     t0 = time.perf_counter()
     compiled = _compat.compile_fx(fused, list(example_inputs), patches)
     report.seconds["inductor"] = time.perf_counter() - t0
     return compiled
+
+
+def graphed(example_inputs, patches: dict | None) -> bool:
+    """Will Inductor's CUDA graph trees replay this graph: CUDA graphs asked for
+    (``triton.cudagraphs``: "reduce-overhead", "max-autotune") and CUDA inputs?"""
+    return bool((patches or {}).get("triton.cudagraphs")) and \
+        any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
 
 
 class PerShape:

@@ -154,7 +154,7 @@ class Shared:
 # partition has waited for), and a copy may not be issued into a range an async wgmma still reads
 # (``_READING``). Both are checked when they happen, whatever the threads' timing.
 _COPIED: list[tuple[int, int, object, int]] = []
-_READING: dict[int, list[tuple[int, int]]] = {}
+_READING: dict[int, list[tuple[tuple[int, int], bool]]] = {}   # wgmma -> (span, acquired) per operand
 _SEEN = threading.local()
 
 
@@ -171,13 +171,22 @@ def seen() -> dict:
     return _SEEN.__dict__.setdefault("phases", {})
 
 
+UNWAITED = "a partition reads shared memory that a TMA copy writes without having waited for its barrier"
+
+
 def check_acquired(s: Shared) -> None:
     span = s.bounds()
     with _COND:
         for lo, hi, b, phase in _COPIED:
             if overlap((lo, hi), span) and seen().get(id(b), 0) < phase:
-                raise ProtocolError(f"a partition reads shared memory that a TMA copy writes without having "
-                                    f"waited for its barrier's phase {phase} (it has seen {seen().get(id(b), 0)})")
+                raise ProtocolError(f"{UNWAITED}'s phase {phase} (it has seen {seen().get(id(b), 0)})")
+
+
+def acquired(span: tuple[int, int]) -> bool:
+    """Has this partition waited for the copies into ``span``? (False if none was issued yet:
+    a read that runs ahead of the loader.) Call with ``_COND`` held."""
+    copies = [(b, phase) for lo, hi, b, phase in _COPIED if overlap((lo, hi), span)]
+    return bool(copies) and all(seen().get(id(b), 0) >= phase for b, phase in copies)
 
 
 class Barrier:
@@ -322,7 +331,10 @@ class tma:  # noqa: N801
         data, b = desc.read(coord), barrier.one()
         span = result.bounds()
         with _COND:
-            if any(overlap(r, span) for reads in _READING.values() for r in reads):
+            under = [waited for reads in _READING.values() for r, waited in reads if overlap(r, span)]
+            if under and not all(under):     # the wgmma never acquired what it reads: it ran ahead
+                raise ProtocolError(f"{UNWAITED} (its wgmma still reads when the copy is issued)")
+            if under:
                 raise ProtocolError("a TMA copy is issued into shared memory an async wgmma still reads")
             _COPIED[:] = [c for c in _COPIED if not overlap(c[:2], span)]
             _COPIED.append((*span, b, b.phase + 1))     # the phase its bytes belong to
@@ -352,7 +364,7 @@ class InFlight:
     def __init__(self, a, b, acc, use_acc):
         self.a, self.b, self.acc, self.use_acc, self.value = a, b, acc, use_acc, None
         with _COND:
-            _READING[id(self)] = [x.bounds() for x in (a, b) if isinstance(x, Shared)]
+            _READING[id(self)] = [(x.bounds(), acquired(x.bounds())) for x in (a, b) if isinstance(x, Shared)]
 
     def retire(self) -> real_tl.tensor:
         if self.value is None:

@@ -481,6 +481,12 @@ def test_activation_checkpointing_fuses_each_checkpointed_body():
     report = flashlight.explain(model, x.clone().requires_grad_())
     assert len(report.regions) == 2, report
     assert [f.op for f in report.fallbacks] == ["softmax"] and "checkpoint" in report.fallbacks[0].reason, report
+
+    def with_a_head(x, w):          # a classifier's log_softmax outside the checkpoint is no attention
+        return torch.log_softmax(model(x).mean(-2) @ w, -1)
+    torch.compiler.reset()
+    report = flashlight.explain(with_a_head, x.clone().requires_grad_(), torch.randn(16, 5))
+    assert len(report.regions) == 2 and [f.op for f in report.fallbacks] == ["softmax"], report
     runs = []
     run = op.CompiledRegion.run
 

@@ -105,6 +105,9 @@ def test_cuda_graphs_time_flashlight_and_flex_under_reduce_overhead(tmp_path, mo
     rows = run_case(tmp_path / "beyond", monkeypatch, "--suite", "beyond", "--only", "diff_attention",
                     "--backends", "flashlight", "--cuda-graphs", "--no-plots")
     assert rows[0]["flashlight_cg_ok"] == "True" and rows[0]["flex_cg_ms"] == ""     # Flex was not run
+    rows = run_case(tmp_path / "flashlight", monkeypatch, "--suite", "flex", "--only", "causal",
+                    "--backends", "flashlight", "--cuda-graphs", "--no-plots")
+    assert rows[0]["flashlight_cg_ok"] == "True" and rows[0]["flex_cg_ms"] == ""     # nor selected here
 
 
 def test_training_case_checks_gradients(tmp_path, monkeypatch):

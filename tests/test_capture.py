@@ -167,7 +167,10 @@ def test_scores_meeting_a_value_from_a_product_fall_back(fn):
 
 def test_scores_meeting_their_own_values_still_fuse():
     """The same scores used smoothly outside (a detached copy added back), a threshold from an
-    input, and hard attention against the kernel's own row max without gradients: fused, exact."""
+    input, hard attention against the kernel's own row max without gradients, and a bias from
+    a product of other tensors (Evoformer's pair bias through a Linear) under clamp and a
+    threshold off the kernel's own row max, in training too: fused, exact. (A first version of
+    the check refused anything with a product among a load's ancestors.)"""
     def smooth(q, k, v):
         s = q @ k.mT * 0.25
         return torch.softmax(s + 0.5 * s.detach().tanh(), -1) @ v
@@ -175,12 +178,21 @@ def test_scores_meeting_their_own_values_still_fuse():
     def input_threshold(q, k, v, t):
         s = q @ k.mT * 0.25
         return torch.softmax(s.masked_fill(s < t, float("-inf")), -1) @ v
+    def projected_bias(q, k, v, pair, w):       # Evoformer's pair bias through a Linear, clamped
+        s = q @ k.mT * 0.25 + (pair @ w).permute(0, 3, 1, 2)
+        return torch.softmax(s.clamp(min=-2.0).masked_fill(s < s.amax(-1, keepdim=True) - 3, float("-inf")), -1) @ v
     torch.manual_seed(0)
     xs = qkv()
     for fn, args in ((smooth, xs), (input_threshold, (*xs, torch.randn(B, H, M, 1))),
-                     (_hard_attention_on_a_detached_max, xs)):
+                     (_hard_attention_on_a_detached_max, xs),
+                     (projected_bias, (*xs, torch.randn(B, M, N, 8), torch.randn(8, H)))):
         assert len(flashlight.explain(fn, *args).regions) == 1, fn.__name__
         assert rel_error(torch.compile(fn, backend="flashlight")(*args), reference(fn, *args)) < 1e-5
+    trained = [x.requires_grad_() for x in (*xs, torch.randn(B, M, N, 8), torch.randn(8, H))]
+    assert len(flashlight.explain(projected_bias, *trained).regions) == 1      # clamp is a kink: training too
+    for a, b in zip(grads(torch.compile(projected_bias, backend="flashlight"), trained, fp64=False),
+                    grads(projected_bias, trained, fp64=True)):
+        assert rel_error(a, b) < 1e-4
 
 
 def test_plain_matmuls_are_left_alone():

@@ -102,10 +102,10 @@ def swap(first: str, second: str):
 
 
 WAIT = "        dv0, dk0, pb, dsb = warpgroup_mma_wait(0, deps=(dv0, dk0, pb, dsb))"
-# A partition that reads without waiting is caught at its read, or, when it runs ahead of the
-# loader, its wgmma is already reading the slot when the copy into it is issued: either report
-# is the missing wait (CI saw the second under load).
-UNWAITED = "reads shared memory .* without having waited|issued into shared memory an async wgmma still reads"
+# A partition that reads without waiting is caught at its read or, when it runs ahead of the
+# loader (CI's load did that), when the copy is issued under its wgmma, which never acquired the
+# slot: either way the report is the missing wait, not an early release.
+UNWAITED = "reads shared memory .* without having waited"
 BROKEN = {   # (kernel, what is broken, edit, what the emulator reports)
     "no slot release": ("dq", drop("mbarrier.arrive(k_empty.index(st)"), "never completed|did not finish"),
     "no wait for K": ("fwd", drop("mbarrier.wait(k_ready"), UNWAITED),
@@ -131,6 +131,36 @@ def test_a_broken_barrier_protocol_is_reported(traced, monkeypatch, broken):
             emu.forward(c, xs, edit)
         else:
             emu.tile_gradients(c, xs, out, stats, torch.ones_like(out), kernels=(kernel, ), edit=edit)
+
+
+def test_the_protocol_check_names_the_missing_wait_whatever_the_timing():
+    """A wgmma issued on a slot before any copy into it (its partition never waited: it ran
+    ahead of the loader, as under CI's load) is reported as the missing wait when the copy
+    comes; one whose partition waited for the copy and released the slot early, as the early
+    release. Before, the first also read as an early release."""
+    import triton.language as tl
+
+    from flashlight.runtime.gluon import descriptor
+    with emu._COND:
+        emu._COPIED.clear()
+        emu._READING.clear()
+    s, other = (emu.allocate_shared_memory(tl.float16, [16, 16], emu.Layout()) for _ in range(2))
+    bar = emu.Barriers(1)
+    emu.mbarrier.init(bar, 1)
+    desc = emu.Descriptor(descriptor(torch.ones(16, 16, dtype=torch.float16), 0, rows=16))
+    emu.InFlight(s, other, None, False)
+    with pytest.raises(emu.ProtocolError, match="without having waited"):
+        emu.tma.async_copy_global_to_shared(desc, [0, 0], bar, s)
+    with emu._COND:
+        emu._READING.clear()
+    emu.mbarrier.expect(bar, desc.block_type.nbytes)
+    emu.tma.async_copy_global_to_shared(desc, [0, 0], bar, s)
+    emu.mbarrier.wait(bar, 0)
+    emu.InFlight(s, other, None, False)
+    with pytest.raises(emu.ProtocolError, match="still reads"):
+        emu.tma.async_copy_global_to_shared(desc, [0, 0], bar, s)
+    while emu._COPIES:
+        emu._COPIES.pop().join(emu.TIMEOUT)
 
 
 def test_emulated_shared_memory_starts_nan():

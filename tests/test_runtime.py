@@ -199,20 +199,36 @@ def test_internal_error_falls_back_with_reason(monkeypatch):
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
 def test_compile_mode_reaches_inductor(monkeypatch, mode):
     """``torch.compile(mode=...)`` gives Inductor the options it gives without Flashlight
-    (``torch._inductor.list_mode_options``). Under CUDA graphs
-    ("reduce-overhead") a graph of regions alone goes to Inductor too, so that its CUDA graph
-    trees replay the regions' launches (on the GPU: ``test_gpu``); without, it runs as is.
-    Outputs stay exact either way."""
-    from flashlight import _compat
+    (``torch._inductor.list_mode_options``; before, Inductor compiled the rest with defaults).
+    A graph of regions alone still runs as is on CPU inputs; with CUDA inputs under CUDA graphs
+    ("reduce-overhead", "max-autotune") it goes to Inductor, whose CUDA graph trees replay the
+    regions' launches (``backend.graphed``; on the GPU: ``test_gpu``). An option Inductor does
+    not know raises its error. Outputs stay exact."""
+    from unittest import mock
+
+    from torch._inductor import list_mode_options
+
+    from flashlight import _compat, backend
     patches = []
     real = _compat.compile_fx
     monkeypatch.setattr(_compat, "compile_fx", lambda gm, ex, p=None: patches.append(p) or real(gm, ex, p))
     q, k, v = causal.make_inputs(B=1, H=2, M=20, D=16)
+    w = torch.randn(16, 16) / 4
+
+    def projected(q, k, v, w):
+        return causal.attention(q @ w, k, v)
+    for fn, args, compiled in ((projected, (q, k, v, w), [list_mode_options(mode)]), (causal.attention, (q, k, v), [])):
+        torch.compiler.reset()
+        patches.clear()
+        out = torch.compile(fn, backend="flashlight", mode=mode)(*args)
+        assert rel_error(out, fn(*(to64(x) for x in args))) < 1e-5
+        assert patches == compiled, fn
+    cuda = mock.Mock(spec=torch.Tensor, is_cuda=True)
+    assert backend.graphed([cuda], list_mode_options(mode)) == (mode == "reduce-overhead")
+    assert not backend.graphed([q], list_mode_options(mode))
     torch.compiler.reset()
-    fn = torch.compile(causal.attention, backend="flashlight", mode=mode)
-    assert rel_error(fn(q, k, v), causal.attention(*(to64(x) for x in (q, k, v)))) < 1e-5
-    cudagraphs = mode == "reduce-overhead"
-    assert patches == ([{"triton.cudagraphs": True}] if cudagraphs else [])
+    with pytest.raises(Exception, match="Unexpected optimization option"):
+        torch.compile(projected, backend="flashlight", options={"no_such_option": 1})(q, k, v, w)
 
 
 def test_graph_of_only_regions_and_views_skips_inductor(monkeypatch):

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..ir import Expr, Input, Region, Row, const, free_vars, refs, walk
 from .epilogue import CONTRACTIONS, extend, packet
+from .ranges import check_integer_ranges
 from .rules import einsum_letters, permute_back
 from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, carries_grad, meta, static_shape
 
@@ -137,7 +138,9 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
         rows=[Row(e, meta(n).dtype) for n, e in rows.items()],
     )
     _check_no_recomputed_jump(region, list(b.inputs), carries_grad(root) or any(carries_grad(n) for n in rows), contraction)
-    return Match(root, region, list(b.inputs), b.inner | epi.nodes | set(rows), list(rows)), b
+    inner = b.inner | epi.nodes | set(rows)
+    check_integer_ranges(inner, list(b.inputs), contraction)
+    return Match(root, region, list(b.inputs), inner, list(rows)), b
 
 
 # Ops of the scores whose value jumps (comparisons, rounding, casts to integer or boolean) or,
@@ -156,13 +159,21 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
     Eager computes both sides from one product, bitwise; the kernel recomputes the scores, and
     a recomputed product need not be bitwise what the outside op read, so at the k-th score
     itself the comparison flips (a 9 % output error in fp32), and in training the backward's
-    kernels put a kink's tie on either side (dQ 30 % off). Smooth uses of such a value
-    (``s + s.detach()``) differ only by rounding and still fuse; so do thresholds from inputs,
-    constants or the kernel's own reductions."""
-    derived = {i for i, leaf in enumerate(leaves)
-               if any(packet(n) in PRODUCTS for n in {leaf} | _upstream({leaf}))}
-    if not derived:
-        return
+    kernels put a kink's tie on either side (dQ 30 % off). A copy of the scores is a load with
+    a product among its ancestors that itself reads the q and k one of the region's score
+    products loads. Smooth uses of such a copy (``s + s.detach()``) differ only by rounding
+    and still fuse; so do thresholds from constants, from the kernel's own reductions and from
+    other tensors, products included (a bias from a ``Linear``). A threshold that reaches the
+    compiled function as an input cannot be told from any other input: computed from the same
+    scores outside it, it meets the same rounding (README)."""
+    operands = [{leaves[i] for i in refs(d.q, "load") | refs(d.k, "load")} for d in region.dots]
+    copies: dict[int, bool] = {}
+
+    def copies_scores(i: int) -> bool:      # asked only of loads that meet the scores in a jump
+        if i not in copies:
+            copies[i] = any(packet(n) in PRODUCTS and any(ops <= {n} | _upstream({n}) for ops in operands)
+                            for n in {leaves[i]} | _upstream({leaves[i]}))
+        return copies[i]
     ops = JUMPS + (KINKS if differentiated else ())
     memo: dict[int, tuple[bool, frozenset[int]]] = {}
 
@@ -185,11 +196,12 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
         for x in walk(e):
             if x.op in ops:
                 dots, loads = reach(x)
-                if dots and loads & derived:
-                    names = ", ".join(region.inputs[i].name for i in sorted(loads & derived))
-                    raise Unsupported(f"the scores meet {names} in {x.op}, a value computed outside the region from a "
-                                      "product: the kernel recomputes the scores, not bitwise as eager's one product, "
-                                      "and at equal values the result would flip", contraction)
+                derived = {i for i in loads if copies_scores(i)} if dots else set()
+                if derived:
+                    names = ", ".join(region.inputs[i].name for i in sorted(derived))
+                    raise Unsupported(f"the scores meet {names} in {x.op}, a value computed outside the region from "
+                                      "the same q and k: the kernel recomputes the scores, not bitwise as eager's one "
+                                      "product, and at equal values the result would flip", contraction)
 
 
 def _downstream(nodes: set[fx.Node]) -> set[fx.Node]:

@@ -168,20 +168,6 @@ class VerifyError(AssertionError):
     pass
 
 
-def check_ranges(region: Region) -> None:
-    """The kernel's integer arithmetic is eager's (``bounds``): no int32 overflow of index
-    arithmetic, no wrap of 8- or 16-bit integer tensors."""
-    from .bounds import check_integer_ranges
-    sizes = {**dict(zip(region.batch_vars, region.batch)), "m": region.M, "n": region.N, "dk": region.DK,
-             "dv": region.DV}
-    exprs = [(f"red{j}", r.body) for j, r in enumerate(region.reductions)] + [("out", region.out)] + \
-        [(f"row{i}", x.expr) for i, x in enumerate(region.rows)]
-    for what, e in exprs:
-        why = check_integer_ranges(region, what, e, sizes)
-        if why:
-            raise VerifyError(why)
-
-
 def verify(region: Region) -> Region:
     """Check scoping: each expression uses only the index vars and leaves of its context."""
     b = set(region.batch_vars)
@@ -214,7 +200,6 @@ def verify(region: Region) -> Region:
         if r.online is not None and region.reductions[r.online].kind != "max":
             raise VerifyError(f"red{j} is rescaled by red{r.online}, which is not a max")
     check(region.out, b | {"m", "dv"}, "out", len(region.reductions), False)
-    check_ranges(region)
     if region.out_index is not None:
         if len(region.out_index) != len(region.out_shape):
             raise VerifyError(f"store index of rank {len(region.out_index)} into {region.out_shape}")
