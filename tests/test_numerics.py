@@ -66,14 +66,20 @@ def _uint8_below_zero(q, k, v, pad):
     return torch.softmax((q @ k.mT * 0.25).masked_fill((pad[:, None, None, :] - 1) > 0, float("-inf")), -1) @ v
 
 
+def _int16_positions_that_wrap(q, k, v, pad):
+    i, j = _positions(q, k, torch.int16)
+    return torch.softmax((q @ k.mT * 0.25).masked_fill(i * 2000 - j * 1000 < 0, float("-inf")), -1) @ v
+
+
 @pytest.mark.parametrize("fn", [_hash_of_positions, _constant_beyond_int32, _int32_positions_that_wrap,
-                                _uint8_below_zero], ids=lambda f: f.__name__[1:])
+                                _uint8_below_zero, _int16_positions_that_wrap], ids=lambda f: f.__name__[1:])
 def test_integer_arithmetic_beyond_the_kernels_range_falls_back(fn):
     """The kernel computes index arithmetic in int32 and does not wrap narrow integer tensors:
     a hash of int64 positions overflowed it (output error 1.04), a constant beyond int32 crashed
     it, the block scan skipped blocks by the unwrapped values of int32 positions that eager
-    wraps (0.62), and a uint8 ``pad - 1`` that eager wraps to 255 was -1 (0.58). Each falls back
-    with the reason (``ir.bounds``) and matches float64."""
+    wraps (0.62), a uint8 ``pad - 1`` that eager wraps to 255 was -1 (0.58), and int16
+    positions that eager wraps were not (1.78). Each falls back with the reason
+    (``capture.ranges``) and matches float64."""
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 33, 16), torch.randn(1, 2, 33, 16)
     pad = torch.randint(0, 2, (1, 33), dtype=torch.uint8)
@@ -86,12 +92,15 @@ def test_integer_arithmetic_beyond_the_kernels_range_falls_back(fn):
 
 def test_integer_arithmetic_within_range_still_fuses():
     """Within range, integer masks fuse: chunks by floor division, a uint8 padding compared as
-    is, windows over int32 positions, int64 document ids (their values unknown here: taken as
-    moderate, as eager's own arithmetic on them does)."""
+    is or cast to int64 before ``- 1``, windows over int32 positions, int16 lengths minus int64
+    positions, int64 document ids (their values unknown here: taken as moderate, as eager's own
+    arithmetic on them does)."""
     def masks(q, k, v, pad, ids):
         i, j = _positions(q, k, torch.int32)
+        lengths = pad.to(torch.int16).sum(-1)[:, None, None, None]       # int16 minus int64: int64
         keep = (i // 8 == j // 8) | ((pad[:, None, None, :] == 1) & ((i - j).abs() < 5)) | \
-            (ids[:, None, :20, None] * 3 - 1 == ids[:, None, None, :] * 3 - 1)
+            (ids[:, None, :20, None] * 3 - 1 == ids[:, None, None, :] * 3 - 1) | \
+            ((pad.long()[:, None, None, :] - 1 < 0) & (lengths - torch.arange(33) > 30))
         return torch.softmax((q @ k.mT * 0.25).masked_fill(~keep, float("-inf")), -1) @ v
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 20, 16), torch.randn(1, 2, 33, 16), torch.randn(1, 2, 33, 16)
