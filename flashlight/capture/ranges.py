@@ -116,9 +116,10 @@ class Ranges:
             (ra, pa), (rb, pb) = self.of(node.args[1]), self.of(node.args[2])
             return (None if ra is None or rb is None else _span((*ra, *rb))), pa and pb and self.of(node.args[0])[1]
         if op in ARITHMETIC:
-            parts = [self.of(a) for a in operands[:ARITHMETIC[op].__code__.co_argcount]]
+            arity = ARITHMETIC[op].__code__.co_argcount
+            parts = [self.of(a) for a in operands[:arity]]
             pure = all(p for _, p in parts)
-            if any(r is None for r, _ in parts):
+            if len(parts) != arity or any(r is None for r, _ in parts):     # (a float or bool operand)
                 return None, pure
             return ARITHMETIC[op](*(r for r, _ in parts)), pure
         return None, False
