@@ -280,9 +280,11 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
                                              "unfused", source_line(n)))
             report.graph = gm
             return gm, report
+    autograd = needs_autograd(gm, example_inputs)
+    if checkpoints and not autograd:      # nothing to recompute: the bodies are plain calls
+        return fuse(inlined(gm, checkpoints), example_inputs, max_autotune, keep_sdpa)
     if checkpoints:
         return fuse_checkpointed(gm, example_inputs, checkpoints, max_autotune, report)
-    autograd = needs_autograd(gm, example_inputs)
     try:
         aten_gm, rewritten = trace(gm, example_inputs, keep_sdpa)
     except Unsupported as e:
@@ -374,6 +376,29 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
                                              source_line(n)))
     report.graph = out
     return out, report
+
+
+def inlined(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> fx.GraphModule:
+    """``gm`` with each checkpoint op replaced by a call of its body: a graph that is never
+    differentiated recomputes nothing, and the whole graph then traces and fuses, attention
+    outside the checkpoints included (Inductor itself refuses an RNG op, SDPA among them, in a
+    checkpointed body even then: "does not support RNG ops in recompute regions")."""
+    graph, env = copied(gm)
+    out = fx.GraphModule(gm, graph)
+    for n in checkpoints:
+        name, c = n.args[0].target, env[n]
+        body = getattr(gm, name)
+        nested = [m for m in body.graph.nodes if _compat.is_checkpoint(m)]
+        if nested:
+            setattr(out, name, inlined(body, nested))
+        with out.graph.inserting_before(c):
+            call = out.graph.call_module(name, tuple(c.args[1:]))
+        call.meta.update(c.meta)
+        c.replace_all_uses_with(call)
+        out.graph.erase_node(c)
+    out.graph.eliminate_dead_code()     # the bodies' get_attr nodes
+    out.recompile()
+    return out
 
 
 SOFTMAXES = ("softmax", "log_softmax", "scaled_dot_product_attention")

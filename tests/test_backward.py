@@ -508,3 +508,28 @@ def test_activation_checkpointing_fuses_each_checkpointed_body():
     assert rel_error(leaves[0].grad, leaves[1].grad) < 1e-3
     for (name, p), p64 in zip(model.named_parameters(), model64.parameters()):
         assert rel_error(p.grad, p64.grad) < 1e-3, name
+
+
+def test_checkpointing_without_gradients_fuses_the_whole_graph():
+    """A checkpointed model run without gradients recomputes nothing: its checkpoints become
+    plain calls, and the whole graph fuses, the attention outside them included. A checkpointed
+    SDPA call with its mask passed in stays SDPA and runs, where Inductor alone fails ("does not
+    support RNG ops in recompute regions": it counts SDPA among random ops). Outputs match float64."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    model, x = _CheckpointedLayers(16, 37), torch.randn(1, 2, 37, 16)
+    with torch.no_grad():
+        torch.compiler.reset()
+        report = flashlight.explain(model, x)
+        assert len(report.regions) == 3 and not any("checkpoint" in f.reason for f in report.fallbacks), report
+        torch.compiler.reset()
+        assert rel_error(torch.compile(model, backend="flashlight")(x), copy.deepcopy(model).double()(x.double())) < 1e-5
+
+    def sdpa_layer(q, k, v, keep):
+        return checkpoint(torch.nn.functional.scaled_dot_product_attention, q, k, v, keep, use_reentrant=False)
+    q, k, v = (torch.randn(1, 2, 37, 16) for _ in range(3))
+    keep = torch.rand(37, 37) > 0.3
+    keep[:, 0] = True
+    torch.compiler.reset()
+    out = torch.compile(sdpa_layer, backend="flashlight")(q, k, v, keep)
+    assert rel_error(out, sdpa_layer(*(x.double() for x in (q, k, v)), keep)) < 1e-5
