@@ -396,7 +396,8 @@ def inlined(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> fx.GraphModule:
         call.meta.update(c.meta)
         c.replace_all_uses_with(call)
         out.graph.erase_node(c)
-    out.graph.eliminate_dead_code()     # the bodies' get_attr nodes
+        if not env[n.args[0]].users:        # the body's get_attr (nothing else is removed)
+            out.graph.erase_node(env[n.args[0]])
     out.recompile()
     return out
 
