@@ -369,7 +369,7 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
         if inner.regions:
             setattr(out, body, fused)
     for n in gm.graph.nodes:
-        if n not in checkpoints and (_named(n, SOFTMAXES[2:]) or _named(n, SOFTMAXES) and _between_products(n)):
+        if n not in checkpoints and (_named(n, SDPA_NAMES) or _named(n, SOFTMAXES) and _between_products(n)):
             report.fallbacks.append(Fallback(n.name, getattr(n.target, "__name__", str(n.target)),
                                              "outside torch.utils.checkpoint in a graph that checkpoints: the ATen "
                                              "trace cannot follow the checkpoint op, so only checkpointed bodies fuse",
@@ -402,7 +402,8 @@ def inlined(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> fx.GraphModule:
     return out
 
 
-SOFTMAXES = ("softmax", "log_softmax", "scaled_dot_product_attention")
+SOFTMAXES = ("softmax", "log_softmax")
+SDPA_NAMES = ("scaled_dot_product_attention",)
 PRODUCTS = ("matmul", "bmm", "baddbmm", "einsum")
 
 
@@ -514,11 +515,11 @@ class PerShape:
         return self.compiled[key](*args)
 
 
-def wants_autotune(mode: str | None, options: dict | None) -> bool:
-    """``mode="max-autotune"`` (any max-autotune mode), ``options={"max_autotune": True}`` or
-    ``FLASHLIGHT_AUTOTUNE=1``: time the launch configs of each kernel (cached on disk)."""
-    return bool((mode or "").startswith("max-autotune") or (options or {}).get("max_autotune")
-                or os.environ.get("FLASHLIGHT_AUTOTUNE") == "1")
+def wants_autotune(patches: dict) -> bool:
+    """Inductor's ``max_autotune`` among the compile's options (``_compat.mode_options``: any
+    max-autotune mode, or ``options={"max_autotune": True}``) or ``FLASHLIGHT_AUTOTUNE=1``: time
+    the launch configs of each kernel (cached on disk)."""
+    return bool(patches.get("max_autotune") or os.environ.get("FLASHLIGHT_AUTOTUNE") == "1")
 
 
 def flashlight_backend(gm: fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
@@ -526,7 +527,8 @@ def flashlight_backend(gm: fx.GraphModule, example_inputs, mode: str | None = No
     with the Inductor options ``mode`` and ``options`` ask for. Under CUDA graphs
     (``mode="reduce-overhead"`` or ``"max-autotune"``) a graph of regions alone goes to Inductor
     too, whose CUDA graph trees then replay the regions' launches with the rest."""
-    tune, patches = wants_autotune(mode, options), _compat.mode_options(mode, options)
+    patches = _compat.mode_options(mode, options)
+    tune = wants_autotune(patches)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if any(_compat.is_symbolic(n.meta.get("example_value")) for n in placeholders):
         # probe on the example (hint) values: a graph with nothing to fuse keeps Inductor's

@@ -123,10 +123,14 @@ def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
 
 
 def test_max_autotune_mode_reaches_the_compiled_region():
+    from flashlight._compat import mode_options
     from flashlight.backend import wants_autotune
     from flashlight.runtime import op
-    assert wants_autotune("max-autotune-no-cudagraphs", None) and wants_autotune(None, {"max_autotune": True})
-    assert not wants_autotune(None, None) and not wants_autotune("reduce-overhead", {})
+
+    def wants(mode, options):
+        return wants_autotune(mode_options(mode, options))
+    assert wants("max-autotune-no-cudagraphs", None) and wants(None, {"max_autotune": True})
+    assert not wants(None, None) and not wants("reduce-overhead", {})
     xs = causal.make_inputs(B=1, H=1, M=20, D=16)
     torch.compile(causal.attention, backend="flashlight", mode="max-autotune")(*xs)
     assert any(c.max_autotune and c.region.M == 20 for c in op.REGISTRY.values())

@@ -65,6 +65,7 @@ ARITHMETIC = {
     aten.minimum: lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
     aten.maximum: lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
 }
+UNARY = {aten.neg, aten.abs}
 SAME = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
         aten.squeeze, aten.expand, aten.expand_as, aten.slice, aten.select, aten.alias, aten.detach,
         aten.contiguous, aten.clone, aten.to, aten._to_copy, aten.type_as, aten.lift_fresh_copy}
@@ -116,7 +117,7 @@ class Ranges:
             (ra, pa), (rb, pb) = self.of(node.args[1]), self.of(node.args[2])
             return (None if ra is None or rb is None else _span((*ra, *rb))), pa and pb and self.of(node.args[0])[1]
         if op in ARITHMETIC:
-            arity = ARITHMETIC[op].__code__.co_argcount
+            arity = 1 if op in UNARY else 2
             parts = [self.of(a) for a in operands[:arity]]
             pure = all(p for _, p in parts)
             if len(parts) != arity or any(r is None for r, _ in parts):     # (a float or bool operand)
