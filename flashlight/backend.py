@@ -319,6 +319,10 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
         renamed |= replace(aten_gm.graph, m, compiled.key, differentiated)
         report.regions.append(compiled)
         fused |= m.inner
+    # a candidate that failed where a later region computes its root (layers stacked without a
+    # projection: the first layer's output seen as the next one's scores) is no fallback
+    computed = {n.name for n in fused}
+    report.fallbacks = [f for f in report.fallbacks if f.node not in computed]
     if rewritten and report.regions:
         # an SDPA call traced as its program that left unfused math behind goes back to SDPA
         aten_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() and n not in fused)

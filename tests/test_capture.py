@@ -270,6 +270,19 @@ def test_stacked_layers_fuse_without_spurious_reasons():
     assert rel_error(torch.compile(two_layers, backend="flashlight")(x, *w), reference(two_layers, x, *w)) < 1e-3
 
 
+def test_layers_stacked_without_projection_fuse_without_spurious_reasons():
+    """The first layer's output is the second's q: the candidate that sees the first layer's
+    P @ V through the second q @ k^T fails to lower, but the second region computes its root,
+    so explain() gives no reason."""
+    def stacked(q, k, v):
+        o = torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+        return torch.softmax(o @ k.transpose(-1, -2) * 0.25, -1) @ v
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    report = flashlight.explain(stacked, q, k, v)
+    assert len(report.regions) == 2 and not report.fallbacks, report
+    assert rel_error(torch.compile(stacked, backend="flashlight")(q, k, v), reference(stacked, q, k, v)) < 1e-4
+
+
 def _bloom(q, k, v, alibi):
     """BLOOM's attention: the scores by ``torch.baddbmm`` with the ALiBi bias as its input, over
     heads flattened into the batch."""
