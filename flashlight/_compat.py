@@ -139,8 +139,8 @@ def is_checkpoint(node) -> bool:
 
 
 def subgraph_inputs(gm, example_inputs, nodes) -> dict:
-    """The arguments each higher-order op in ``nodes`` (``op(body, *args)``) receives when ``gm``
-    runs on ``example_inputs``, as fake tensors of concrete shape (a fresh
+    """The arguments each higher-order op (``op(body, *args)``) or submodule call in ``nodes``
+    receives when ``gm`` runs on ``example_inputs``, as fake tensors of concrete shape (a fresh
     ``torch._subclasses.FakeTensorMode``, private; each body runs in place of its op). Dynamo's
     own example values may have symbolic sizes; these have the sizes of this compile."""
     import torch
@@ -154,6 +154,11 @@ def subgraph_inputs(gm, example_inputs, nodes) -> dict:
                 seen[self.current] = args[1:]
                 return args[0](*args[1:])
             return super().call_function(target, args, kwargs)
+
+        def call_module(self, target, args, kwargs):
+            if self.current in nodes:
+                seen[self.current] = args
+            return super().call_module(target, args, kwargs)
 
         def run_node(self, n):
             self.current = n

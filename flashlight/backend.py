@@ -358,28 +358,75 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
     (``fuse``, on the arguments it gets in this compile) and takes its body's place, the
     checkpoint op kept; Inductor then recomputes the body in the backward, its regions' kernels
     included (a region saves only its output and row statistics anyway). The ATen trace cannot
-    follow the checkpoint op, so the graph around the bodies is compiled unfused (explain()
-    says so where it holds a softmax)."""
-    inputs = _compat.subgraph_inputs(gm, example_inputs, set(checkpoints))
-    out = fx.GraphModule(gm, copied(gm)[0])
-    for n in checkpoints:
-        body = n.args[0].target
+    follow the checkpoint op, so the attention between the checkpoints is fused piece by piece:
+    each run of nodes between two checkpoints that holds one becomes a submodule
+    (``segmented``), fused like a body."""
+    out, pieces = segmented(gm, checkpoints)
+    checkpoints = [n for n in out.graph.nodes if _compat.is_checkpoint(n)]
+    inputs = _compat.subgraph_inputs(out, example_inputs, set(checkpoints) | set(pieces))
+    for n in checkpoints + pieces:
+        name = n.args[0].target if n in checkpoints else n.target
         args = [materialised(x) for x in inputs[n]]
-        fused, inner = fuse(getattr(gm, body), args, max_autotune)
+        fused, inner = fuse(getattr(out, name), args, max_autotune)
         report.regions += inner.regions
         report.fallbacks += inner.fallbacks
         for phase, seconds in inner.seconds.items():
             report.seconds[phase] = report.seconds.get(phase, 0.0) + seconds
         if inner.regions:
-            setattr(out, body, fused)
-    for n in gm.graph.nodes:
-        if n not in checkpoints and (_named(n, SDPA_NAMES) or _named(n, SOFTMAXES) and _between_products(n)):
-            report.fallbacks.append(Fallback(n.name, getattr(n.target, "__name__", str(n.target)),
-                                             "outside torch.utils.checkpoint in a graph that checkpoints: the ATen "
-                                             "trace cannot follow the checkpoint op, so only checkpointed bodies fuse",
-                                             source_line(n)))
+            setattr(out, name, fused)
     report.graph = out
     return out, report
+
+
+def segmented(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A copy of ``gm`` in which each run of nodes between two checkpoint ops (in graph order)
+    that holds an attention (``_attention_like``) is moved into a submodule, called where the
+    run ended: the order of every call stays the graph's (grad-mode switches, RNG draws), and
+    the checkpoint ops, their bodies and the items of their results stay in the outer graph.
+    Returns the copy and its ``call_module`` nodes of the runs."""
+    graph, env = copied(gm)
+    out = fx.GraphModule(gm, graph)
+    ckpts = {env[n] for n in checkpoints}
+    outer = {n for c in ckpts for n in [c, c.args[0], *c.users]}
+    runs, run = [], []
+    for n in graph.nodes:
+        if n in ckpts or n.op == "output":
+            runs.append(run)
+            run = []
+        elif n.op not in ("placeholder", "get_attr") and n not in outer:
+            run.append(n)
+    pieces = []
+    for i, run in enumerate(r for r in runs if any(_attention_like(n) for n in r)):
+        pieces.append(_extract(out, run, f"_flashlight_piece{i}"))
+    out.recompile()
+    return out, pieces
+
+
+def _extract(gm: fx.GraphModule, run: list[fx.Node], name: str) -> fx.Node:
+    """Move the nodes ``run`` (in graph order) of ``gm`` into a submodule ``name`` taking the
+    values they read from outside and returning the ones read outside (a tuple), and call it
+    after the last of them."""
+    inside = set(run)
+    reads = list(dict.fromkeys(x for n in run for x in n.all_input_nodes if x not in inside))
+    results = [n for n in run if any(u not in inside for u in n.users)]
+    sub, env = fx.Graph(), {}
+    for x in reads:
+        env[x] = sub.placeholder(x.name)
+        env[x].meta.update(x.meta)
+    for n in run:
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(tuple(env[n] for n in results))
+    gm.add_submodule(name, fx.GraphModule(gm, sub))
+    with gm.graph.inserting_after(run[-1]):
+        call = gm.graph.call_module(name, tuple(reads))
+    with gm.graph.inserting_after(call):
+        for i, n in reversed(list(enumerate(results))):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+            item.meta.update(n.meta)
+            n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(run):
+        gm.graph.erase_node(n)
+    return call
 
 
 def inlined(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> fx.GraphModule:
@@ -416,6 +463,11 @@ def _named(node: fx.Node, names: tuple[str, ...]) -> bool:
     if node.op not in ("call_function", "call_method"):
         return False
     return (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")) in names
+
+
+def _attention_like(node: fx.Node) -> bool:
+    """An SDPA call, or a softmax between products, of a Dynamo graph."""
+    return _named(node, SDPA_NAMES) or _named(node, SOFTMAXES) and _between_products(node)
 
 
 def _between_products(node: fx.Node, depth: int = 8) -> bool:

@@ -186,11 +186,15 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     grads = grads or stop != "none"
     # the whole program under torch.utils.checkpoint (drawn last, likewise): its body fuses apart
     checkpointed = rng.random() < 0.15
+    # or only q's (exact) scaling by 1 under a checkpoint, the attention between checkpoints
+    around = not checkpointed and rng.random() < 0.15
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
-            f"sdpa={sdpa} checkpointed={checkpointed}")
-    fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else program
+            f"sdpa={sdpa} checkpointed={checkpointed} around={around}")
+    fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
+        (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
+        if around else program
     return Program(desc, fn, (q, k, v, *extra.values()), grads=grads, oracle=lambda *xs: program(*xs, oracle=True))
 
 

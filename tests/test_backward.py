@@ -471,22 +471,22 @@ def test_activation_checkpointing_fuses_each_checkpointed_body():
     """``torch.utils.checkpoint`` (Dynamo's ``tag_activation_checkpoint``): each checkpointed body
     fuses, nested ones too, and the checkpoint stays — the backward recomputes the bodies' regions
     (their forward kernels run again) instead of saving what the bodies compute. Gradients of the
-    input and of every parameter match float64 eager. The graph around the bodies is compiled
-    unfused, and explain() names its softmax. Before, the whole graph went to Inductor, unfused."""
+    input and of every parameter match float64 eager. The attention between the checkpoints
+    fuses too (a piece of the graph of its own); a classifier's log_softmax there is no
+    attention. Before, the whole graph went to Inductor, unfused."""
     from flashlight.runtime import op
     torch.manual_seed(0)
     model, x = _CheckpointedLayers(16, 37), torch.randn(1, 2, 37, 16)
     model64 = copy.deepcopy(model).double()
     torch.compiler.reset()
     report = flashlight.explain(model, x.clone().requires_grad_())
-    assert len(report.regions) == 2, report
-    assert [f.op for f in report.fallbacks] == ["softmax"] and "checkpoint" in report.fallbacks[0].reason, report
+    assert len(report.regions) == 3 and not report.fallbacks, report
 
     def with_a_head(x, w):          # a classifier's log_softmax outside the checkpoint is no attention
         return torch.log_softmax(model(x).mean(-2) @ w, -1)
     torch.compiler.reset()
     report = flashlight.explain(with_a_head, x.clone().requires_grad_(), torch.randn(16, 5))
-    assert len(report.regions) == 2 and [f.op for f in report.fallbacks] == ["softmax"], report
+    assert len(report.regions) == 3 and not report.fallbacks, report
     runs = []
     run = op.CompiledRegion.run
 
@@ -500,11 +500,68 @@ def test_activation_checkpointing_fuses_each_checkpointed_body():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(op.CompiledRegion, "run", counted)
         out = compiled(leaves[0])
-        assert len(runs) == 2
+        assert len(runs) == 3
         (out * w).sum().backward()
-        assert len(runs) == 4          # recomputed in the backward: the checkpoints were kept
+        assert len(runs) == 5          # the bodies recomputed in the backward: the checkpoints were kept
     (model64(leaves[1]) * w.double()).sum().backward()
     assert rel_error(out, model64(leaves[1])) < 1e-5
+    assert rel_error(leaves[0].grad, leaves[1].grad) < 1e-3
+    for (name, p), p64 in zip(model.named_parameters(), model64.parameters()):
+        assert rel_error(p.grad, p64.grad) < 1e-3, name
+
+
+class _CheckpointedMLP(torch.nn.Module):
+    """Pre-norm blocks that checkpoint only their MLP (selective recomputation): the attention,
+    with dropout on its input and a causal mask, runs between the checkpoints."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv, self.up, self.down = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def mlp(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(torch.nn.functional.layer_norm(x, x.shape[-1:]))))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for _ in range(2):
+            q, k, v = self.qkv(torch.nn.functional.layer_norm(x, x.shape[-1:])).unflatten(-1, (3, 2, -1)).unbind(-3)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+            x = x + (torch.softmax(s, -1) @ v).transpose(1, 2).flatten(-2)
+            x = x + checkpoint(self.mlp, x, use_reentrant=False)
+        return x
+
+
+def test_attention_between_checkpoints_fuses_and_is_not_recomputed():
+    """Checkpointing only the MLPs: both attentions fuse (each a piece of the graph between the
+    checkpoints), run once in the forward and are not recomputed in the backward (the MLPs
+    are). Gradients of the input and of every parameter match float64 eager."""
+    from flashlight.runtime import op
+    torch.manual_seed(0)
+    model, x = _CheckpointedMLP(16), torch.randn(2, 37, 16)
+    model64 = copy.deepcopy(model).double()
+    torch.compiler.reset()
+    report = flashlight.explain(model, x.clone().requires_grad_())
+    assert len(report.regions) == 2 and not report.fallbacks, report
+    runs = []
+    run = op.CompiledRegion.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(self.key)
+        return run(self, *args, **kwargs)
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="flashlight")
+    leaves = [x.clone().requires_grad_(), x.double().requires_grad_()]
+    w = torch.randn(x.shape)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(op.CompiledRegion, "run", counted)
+        out = compiled(leaves[0])
+        (out * w).sum().backward()
+    assert len(runs) == 2
+    want = model64(leaves[1])
+    (want * w.double()).sum().backward()
+    assert rel_error(out, want) < 1e-5
     assert rel_error(leaves[0].grad, leaves[1].grad) < 1e-3
     for (name, p), p64 in zip(model.named_parameters(), model64.parameters()):
         assert rel_error(p.grad, p64.grad) < 1e-3, name
