@@ -48,7 +48,7 @@ nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
 S1)
-  timeout -k 10 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
+  timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -6 $OUT/test_gpu.txt | cut -c1-300
   bash "$0" 3
   ;;
@@ -60,19 +60,19 @@ S2)
     --systems flashlight,flashlight_b,flex --b-env FLASHLIGHT_PREBUILD=0 2>&1 | nogrep | tee $OUT/first_call.txt | tail -14
   ;;
 S3)
-  timeout -k 10 280 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
-    --no-plots --time-limit 250 --out $OUT/training > $OUT/training.txt 2>&1
+  timeout -k 10 250 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 230 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
-  timeout -k 10 280 python3 -m benchmarks.run --suite flex --dims 64 --backends flashlight,flex,sdpa_cudnn \
-    --time-limit 250 --out $OUT/flex64 > $OUT/flex64.txt 2>&1
+  timeout -k 10 250 python3 -m benchmarks.run --suite flex --dims 64 --backends flashlight,flex,sdpa_cudnn \
+    --time-limit 230 --out $OUT/flex64 > $OUT/flex64.txt 2>&1
   echo "flex64 rc $?"; tail -27 $OUT/flex64.txt | cut -c1-170
   ;;
 S4)
-  timeout -k 10 250 python3 -m benchmarks.run --suite flex --shapes 16x1024 --backends flashlight,flex --cuda-graphs \
-    --no-plots --time-limit 220 --out $OUT/cg_flex > $OUT/cg_flex.txt 2>&1
+  timeout -k 10 150 python3 -m benchmarks.run --suite flex --shapes 16x1024 --backends flashlight,flex --cuda-graphs \
+    --no-plots --time-limit 130 --out $OUT/cg_flex > $OUT/cg_flex.txt 2>&1
   echo "cuda graphs, flex rc $?"; tail -22 $OUT/cg_flex.txt | cut -c1-190
-  timeout -k 10 100 python3 -m benchmarks.run --suite training --only causal,document_mask --backends flashlight,flex \
-    --cuda-graphs --no-plots --time-limit 80 --out $OUT/cg_training > $OUT/cg_training.txt 2>&1
+  timeout -k 10 90 python3 -m benchmarks.run --suite training --only causal,document_mask --backends flashlight,flex \
+    --cuda-graphs --no-plots --time-limit 75 --out $OUT/cg_training > $OUT/cg_training.txt 2>&1
   echo "cuda graphs, training rc $?"; tail -10 $OUT/cg_training.txt | cut -c1-190
   ;;
 1)  # session 14's first call (~9.5 min): the smoke gates the Gluon tile kernels' half of the A/B
@@ -90,7 +90,7 @@ S4)
   ;;
 3)  # the document mask's step, per kernel and host time (torch.profiler, cProfile): this code, then session 10's
   for tree in . .s10; do
-    (cd $tree && PYTHONPATH=. timeout -k 10 140 python3 -m benchmarks.kernels --variants document_mask,causal --d 64 \
+    (cd $tree && PYTHONPATH=. timeout -k 10 120 python3 -m benchmarks.kernels --variants document_mask,causal --d 64 \
       --step --flex --profile --out $OUT/kernels_$(basename $tree) 2>&1 | nogrep > $OUT/kernels_$(basename $tree).txt)
     echo "== $tree"; grep -E "do_bench| fl_|host" $OUT/kernels_$(basename $tree).txt | cut -c1-150 | head -30
   done
