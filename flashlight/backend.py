@@ -295,6 +295,9 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
         why = "its program did not fuse (the reasons above): SDPA's own kernels serve it" if n.name in keep_sdpa \
             else sdpa.why_kept(n)
         report.fallbacks.append(Fallback(n.name, sdpa.OP, why, source_line(n)))
+    # values the program computes and never uses (a row max left over from an edit) would
+    # otherwise become row outputs of a region: its backward would be the reference VJP
+    aten_gm.graph.eliminate_dead_code()     # mutations and random draws are impure: they stay
     if autograd:
         mark_gradients(aten_gm.graph, example_inputs)
     matches, fallbacks = find_regions(aten_gm.graph)
@@ -380,7 +383,7 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
 
 def segmented(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
     """A copy of ``gm`` in which each run of nodes between two checkpoint ops (in graph order)
-    that holds an attention (``_attention_like``) is moved into a submodule, called where the
+    that may hold an attention (``_may_hold_attention``) is moved into a submodule, called where the
     run ended: the order of every call stays the graph's (grad-mode switches, RNG draws), and
     the checkpoint ops, their bodies and the items of their results stay in the outer graph.
     Returns the copy and its ``call_module`` nodes of the runs."""
@@ -396,7 +399,7 @@ def segmented(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> tuple[fx.GraphM
         elif n.op not in ("placeholder", "get_attr") and n not in outer:
             run.append(n)
     pieces = []
-    for i, run in enumerate(r for r in runs if any(_attention_like(n) for n in r)):
+    for i, run in enumerate(r for r in runs if _may_hold_attention(r)):
         pieces.append(_extract(out, run, f"_flashlight_piece{i}"))
     out.recompile()
     return out, pieces
@@ -453,7 +456,6 @@ def inlined(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> fx.GraphModule:
     return out
 
 
-SOFTMAXES = ("softmax", "log_softmax")
 SDPA_NAMES = ("scaled_dot_product_attention",)
 PRODUCTS = ("matmul", "bmm", "baddbmm", "einsum")
 
@@ -465,22 +467,10 @@ def _named(node: fx.Node, names: tuple[str, ...]) -> bool:
     return (node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")) in names
 
 
-def _attention_like(node: fx.Node) -> bool:
-    """An SDPA call, or a softmax between products, of a Dynamo graph."""
-    return _named(node, SDPA_NAMES) or _named(node, SOFTMAXES) and _between_products(node)
-
-
-def _between_products(node: fx.Node, depth: int = 8) -> bool:
-    """An attention's softmax: a product among the last few producers of its input and among
-    the first few users of its output (not a classifier head's log_softmax)."""
-    def near(step) -> bool:
-        frontier = [node]
-        for _ in range(depth):
-            frontier = [x for n in frontier for x in step(n)]
-            if any(_named(n, PRODUCTS) for n in frontier):
-                return True
-        return False
-    return near(lambda n: n.all_input_nodes) and near(lambda n: n.users)
+def _may_hold_attention(nodes: list[fx.Node]) -> bool:
+    """Dynamo graph nodes holding an SDPA call or two products (``q @ k^T`` and ``P @ V``,
+    whatever the softmax's spelling)."""
+    return any(_named(n, SDPA_NAMES) for n in nodes) or sum(_named(n, PRODUCTS) for n in nodes) >= 2
 
 
 def materialised(x):

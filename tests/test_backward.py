@@ -110,6 +110,27 @@ def _kernels(source: str) -> dict[str, str]:
     return kernels
 
 
+def test_a_value_computed_and_never_used_is_no_row_output():
+    """A row max the program computes and never uses (left over from an edit) was a row output
+    of the region, whose backward then was the reference VJP (the scores materialised). Dead
+    values are dropped before capture (mutations and random draws are impure: they stay)."""
+    def leftover(q, k, v):
+        s = q @ k.transpose(-1, -2) * 0.25
+        unused = torch.exp(s - s.amax(-1, keepdim=True))       # noqa: F841
+        return torch.softmax(s, -1) @ v
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    report = flashlight.explain(leftover, q, k, v)
+    assert len(report.regions) == 1 and not any("row-outputs" in f for f in report.regions[0].features), report
+    assert report.regions[0].backward.startswith("generated"), report.regions[0].backward
+    torch.compiler.reset()
+    out = torch.compile(leftover, backend="flashlight")(q, k, v)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = leftover(*leaves)
+    assert rel_error(out, want) < 1e-5
+    for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]), torch.autograd.grad(want.sum(), leaves)):
+        assert rel_error(a, b) < 1e-4
+
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
 def test_block_sparse_backward_never_reads_dead_tiles():
     """Causal, 4 x 4 blocks of 16 (the interpreter's): the last key block is live only for the
@@ -523,12 +544,13 @@ class _CheckpointedMLP(torch.nn.Module):
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
-        for _ in range(2):
+        for i in range(2):
             q, k, v = self.qkv(torch.nn.functional.layer_norm(x, x.shape[-1:])).unflatten(-1, (3, 2, -1)).unbind(-3)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
             s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
-            x = x + (torch.softmax(s, -1) @ v).transpose(1, 2).flatten(-2)
+            e = torch.exp(s - s.amax(-1, keepdim=True))        # the second softmax written by hand
+            x = x + ((torch.softmax(s, -1) if i == 0 else e / e.sum(-1, keepdim=True)) @ v).transpose(1, 2).flatten(-2)
             x = x + checkpoint(self.mlp, x, use_reentrant=False)
         return x
 
