@@ -47,6 +47,18 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+T)  # session 17 (device time scarce): the GPU tests, then issue #5's training table (~8.5 min)
+  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
+  echo "test_gpu rc $?"; tail -8 $OUT/test_gpu.txt | cut -c1-300
+  timeout -k 10 250 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 230 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
+  ;;
+F)  # session 17: the whole flex suite, both head dims, in one run (issue #6: "measured in one run")
+  timeout -k 10 570 python3 -m benchmarks.run --suite flex --backends flashlight,flex,sdpa_cudnn \
+    --time-limit 540 --out $OUT/flex > $OUT/flex.txt 2>&1
+  echo "flex rc $?"; tail -56 $OUT/flex.txt | cut -c1-170
+  ;;
 S1)
   timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -6 $OUT/test_gpu.txt | cut -c1-300
