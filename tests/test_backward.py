@@ -466,6 +466,26 @@ def test_a_gradient_of_a_gradient_matches_eager(variant):
         assert rel_error(a, b) < 1e-3, i
 
 
+def _forward_runs(model, x, w) -> tuple[torch.Tensor, list[int]]:
+    """The compiled ``model(x)``, then ``(out * w).sum().backward()``: the output and how many
+    region forwards ran by the end of each (a checkpointed body's regions run again in the
+    backward)."""
+    from flashlight.runtime import op
+    runs, run = [], op.CompiledRegion.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(self.key)
+        return run(self, *args, **kwargs)
+    torch.compiler.reset()
+    compiled = torch.compile(model, backend="flashlight")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(op.CompiledRegion, "run", counted)
+        out = compiled(x)
+        after_forward = len(runs)
+        (out * w).sum().backward()
+    return out, [after_forward, len(runs)]
+
+
 class _CheckpointedLayers(torch.nn.Module):
     """Two pre-norm layers, each under ``torch.utils.checkpoint`` (the second nested one level
     deeper), and an attention outside any checkpoint."""
@@ -495,7 +515,6 @@ def test_activation_checkpointing_fuses_each_checkpointed_body():
     input and of every parameter match float64 eager. The attention between the checkpoints
     fuses too (a piece of the graph of its own); a classifier's log_softmax there is no
     attention. Before, the whole graph went to Inductor, unfused."""
-    from flashlight.runtime import op
     torch.manual_seed(0)
     model, x = _CheckpointedLayers(16, 37), torch.randn(1, 2, 37, 16)
     model64 = copy.deepcopy(model).double()
@@ -508,22 +527,10 @@ def test_activation_checkpointing_fuses_each_checkpointed_body():
     torch.compiler.reset()
     report = flashlight.explain(with_a_head, x.clone().requires_grad_(), torch.randn(16, 5))
     assert len(report.regions) == 3 and not report.fallbacks, report
-    runs = []
-    run = op.CompiledRegion.run
-
-    def counted(self, *args, **kwargs):
-        runs.append(self.key)
-        return run(self, *args, **kwargs)
-    torch.compiler.reset()
-    compiled = torch.compile(model, backend="flashlight")
     w = torch.randn(x.shape)
     leaves = [x.clone().requires_grad_(), x.double().requires_grad_()]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(op.CompiledRegion, "run", counted)
-        out = compiled(leaves[0])
-        assert len(runs) == 3
-        (out * w).sum().backward()
-        assert len(runs) == 5          # the bodies recomputed in the backward: the checkpoints were kept
+    out, runs = _forward_runs(model, leaves[0], w)
+    assert runs == [3, 5]          # the bodies recomputed in the backward: the checkpoints were kept
     (model64(leaves[1]) * w.double()).sum().backward()
     assert rel_error(out, model64(leaves[1])) < 1e-5
     assert rel_error(leaves[0].grad, leaves[1].grad) < 1e-3
@@ -532,8 +539,8 @@ def test_activation_checkpointing_fuses_each_checkpointed_body():
 
 
 class _CheckpointedMLP(torch.nn.Module):
-    """Pre-norm blocks that checkpoint only their MLP (selective recomputation): the attention,
-    with dropout on its input and a causal mask, runs between the checkpoints."""
+    """Pre-norm blocks that checkpoint only their MLP (selective recomputation): the causal
+    attention (its second softmax written by hand) runs between the checkpoints."""
 
     def __init__(self, d: int):
         super().__init__()
@@ -559,28 +566,16 @@ def test_attention_between_checkpoints_fuses_and_is_not_recomputed():
     """Checkpointing only the MLPs: both attentions fuse (each a piece of the graph between the
     checkpoints), run once in the forward and are not recomputed in the backward (the MLPs
     are). Gradients of the input and of every parameter match float64 eager."""
-    from flashlight.runtime import op
     torch.manual_seed(0)
     model, x = _CheckpointedMLP(16), torch.randn(2, 37, 16)
     model64 = copy.deepcopy(model).double()
     torch.compiler.reset()
     report = flashlight.explain(model, x.clone().requires_grad_())
     assert len(report.regions) == 2 and not report.fallbacks, report
-    runs = []
-    run = op.CompiledRegion.run
-
-    def counted(self, *args, **kwargs):
-        runs.append(self.key)
-        return run(self, *args, **kwargs)
-    torch.compiler.reset()
-    compiled = torch.compile(model, backend="flashlight")
     leaves = [x.clone().requires_grad_(), x.double().requires_grad_()]
     w = torch.randn(x.shape)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(op.CompiledRegion, "run", counted)
-        out = compiled(leaves[0])
-        (out * w).sum().backward()
-    assert len(runs) == 2
+    out, runs = _forward_runs(model, leaves[0], w)
+    assert runs == [2, 2]
     want = model64(leaves[1])
     (want * w.double()).sum().backward()
     assert rel_error(out, want) < 1e-5
