@@ -88,6 +88,16 @@ def first_argument_alias(target) -> str:
     return "" if info is None else "write" if info.is_write else "view"
 
 
+def switches_mode(node) -> bool:
+    """A Dynamo graph node that enters or leaves grad mode, inference mode or autocast
+    (``torch.amp.autocast_mode._enter_autocast`` / ``_exit_autocast``: private, present in
+    2.11-2.13): what a graph cut in pieces would lose for the pieces after it."""
+    import torch.amp.autocast_mode as am
+    autocast = (getattr(am, "_enter_autocast", None), getattr(am, "_exit_autocast", None))
+    return sets_grad_mode(node) or bool(inference_mode_switch(node)) or \
+        (node.op == "call_function" and node.target in autocast)
+
+
 def inference_mode_switch(node) -> str:
     """``"enter"`` / ``"exit"`` for the nodes Dynamo records for ``torch.inference_mode()`` inside a
     program (``torch.autograd.grad_mode._enter_inference_mode`` / ``_exit_inference_mode``:

@@ -306,6 +306,7 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
     report.fallbacks += fallbacks
     fused: set[fx.Node] = set()     # nodes a region computes (in-place updates among them)
     renamed: dict[fx.Node, fx.Node] = {}    # an earlier region's outputs: what a later one loads
+    traced = {n.name for n in aten_gm.graph.nodes}
     for m in matches:
         m.leaves = [renamed.get(x, x) for x in m.leaves]
         differentiated = autograd and any(carries_grad(x) for x in [m.root, *m.rows])
@@ -322,10 +323,6 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
         renamed |= replace(aten_gm.graph, m, compiled.key, differentiated)
         report.regions.append(compiled)
         fused |= m.inner
-    # a candidate that failed where a later region computes its root (layers stacked without a
-    # projection: the first layer's output seen as the next one's scores) is no fallback
-    computed = {n.name for n in fused}
-    report.fallbacks = [f for f in report.fallbacks if f.node not in computed]
     if rewritten and report.regions:
         # an SDPA call traced as its program that left unfused math behind goes back to SDPA
         aten_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() and n not in fused)
@@ -349,6 +346,10 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
         return gm, report
     # an in-place update the region captured only wrote a private intermediate: dead like the rest
     aten_gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() and n not in fused)
+    # a candidate that failed where a region computes its node (layers stacked without a
+    # projection: the first layer's output seen as the next one's scores) is no fallback
+    gone = traced - {n.name for n in aten_gm.graph.nodes}
+    report.fallbacks = [f for f in report.fallbacks if f.node not in gone]
     aten_gm.recompile()
     _debug("replace", aten_gm.code)
     report.graph = aten_gm
@@ -362,15 +363,23 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
     checkpoint op kept; Inductor then recomputes the body in the backward, its regions' kernels
     included (a region saves only its output and row statistics anyway). The ATen trace cannot
     follow the checkpoint op, so the attention between the checkpoints is fused piece by piece:
-    each run of nodes between two checkpoints that holds one becomes a submodule
-    (``segmented``), fused like a body."""
-    out, pieces = segmented(gm, checkpoints)
+    each run of nodes between two checkpoints that may hold one becomes a submodule
+    (``segmented``), fused like a body. A body or piece whose fusion fails stays as it was."""
+    out, pieces, unfused = segmented(gm, checkpoints)
+    report.fallbacks += unfused
     checkpoints = [n for n in out.graph.nodes if _compat.is_checkpoint(n)]
     inputs = _compat.subgraph_inputs(out, example_inputs, set(checkpoints) | set(pieces))
     for n in checkpoints + pieces:
         name = n.args[0].target if n in checkpoints else n.target
-        args = [materialised(x) for x in inputs[n]]
-        fused, inner = fuse(getattr(out, name), args, max_autotune)
+        args = [materialised(x, intermediate=n in pieces) for x in inputs[n]]
+        try:
+            fused, inner = fuse(getattr(out, name), args, max_autotune)
+        except Exception as e:  # noqa: BLE001 — the rest of the graph still fuses; explain() says why
+            if os.environ.get("FLASHLIGHT_STRICT") == "1":
+                raise
+            report.fallbacks.append(Fallback(name, "-", f"internal error, compiled without fusion: "
+                                             f"{type(e).__name__}: {e}", source_line(n)))
+            continue
         report.regions += inner.regions
         report.fallbacks += inner.fallbacks
         for phase, seconds in inner.seconds.items():
@@ -381,28 +390,39 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
     return out, report
 
 
-def segmented(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+def segmented(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[Fallback]]:
     """A copy of ``gm`` in which each run of nodes between two checkpoint ops (in graph order)
-    that may hold an attention (``_may_hold_attention``) is moved into a submodule, called where the
-    run ended: the order of every call stays the graph's (grad-mode switches, RNG draws), and
-    the checkpoint ops, their bodies and the items of their results stay in the outer graph.
-    Returns the copy and its ``call_module`` nodes of the runs."""
+    that may hold an attention (``_may_hold_attention``) is moved into a submodule, called where
+    the run ended: the order of every call stays the graph's (RNG draws among them), and the
+    checkpoint ops, their bodies and the items of their results stay in the outer graph.
+    Returns the copy, its ``call_module`` nodes of the runs, and a fallback for each softmax
+    between products or SDPA call left outside them: one that a checkpoint op splits, and every
+    one where the graph switches grad mode, inference mode or autocast (a piece would be fused
+    under the modes of the compile, not the ones it runs under)."""
     graph, env = copied(gm)
     out = fx.GraphModule(gm, graph)
-    ckpts = {env[n] for n in checkpoints}
-    outer = {n for c in ckpts for n in [c, c.args[0], *c.users]}
-    runs, run = [], []
-    for n in graph.nodes:
-        if n in ckpts or n.op == "output":
-            runs.append(run)
-            run = []
-        elif n.op not in ("placeholder", "get_attr") and n not in outer:
-            run.append(n)
-    pieces = []
-    for i, run in enumerate(r for r in runs if _may_hold_attention(r)):
-        pieces.append(_extract(out, run, f"_flashlight_piece{i}"))
+    attention = [n for n in graph.nodes if _named(n, SDPA_NAMES) or _named(n, SOFTMAXES) and _between_products(n)]
+    runs, why = [], "a checkpoint op splits this attention: only what lies between two checkpoints fuses"
+    if any(_compat.switches_mode(n) for n in gm.graph.nodes):
+        why = "between checkpoints in a graph that switches grad mode, inference mode or autocast: only " \
+              "checkpointed bodies fuse there"
+    else:
+        ckpts = {env[n] for n in checkpoints}
+        outer = {n for c in ckpts for n in [c, c.args[0], *c.users]}
+        run: list[fx.Node] = []
+        for n in graph.nodes:
+            if n in ckpts or n.op == "output":
+                runs.append(run)
+                run = []
+            elif n.op not in ("placeholder", "get_attr") and n not in outer:
+                run.append(n)
+        runs = [r for r in runs if _may_hold_attention(r)]
+    inside = {n for r in runs for n in r}
+    unfused = [Fallback(n.name, getattr(n.target, "__name__", str(n.target)), why, source_line(n))
+               for n in attention if n not in inside]
+    pieces = [_extract(out, r, f"_flashlight_piece{i}") for i, r in enumerate(runs)]
     out.recompile()
-    return out, pieces
+    return out, pieces, unfused
 
 
 def _extract(gm: fx.GraphModule, run: list[fx.Node], name: str) -> fx.Node:
@@ -456,6 +476,7 @@ def inlined(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> fx.GraphModule:
     return out
 
 
+SOFTMAXES = ("softmax", "log_softmax")
 SDPA_NAMES = ("scaled_dot_product_attention",)
 PRODUCTS = ("matmul", "bmm", "baddbmm", "einsum")
 
@@ -473,13 +494,29 @@ def _may_hold_attention(nodes: list[fx.Node]) -> bool:
     return any(_named(n, SDPA_NAMES) for n in nodes) or sum(_named(n, PRODUCTS) for n in nodes) >= 2
 
 
-def materialised(x):
+def _between_products(node: fx.Node, depth: int = 8) -> bool:
+    """An attention's softmax: a product among the last few producers of its input and among
+    the first few users of its output (not a classifier head's log_softmax)."""
+    def near(step) -> bool:
+        frontier = [node]
+        for _ in range(depth):
+            frontier = [x for n in frontier for x in step(n)]
+            if any(_named(n, PRODUCTS) for n in frontier):
+                return True
+        return False
+    return near(lambda n: n.all_input_nodes) and near(lambda n: n.users)
+
+
+def materialised(x, intermediate: bool = False):
     """A tensor with the layout, dtype, device and requires_grad of the fake ``x`` (others as
-    they are), uninitialised: what ``fuse`` traces with (its own fake copies are made from it)."""
+    they are), uninitialised: what ``fuse`` traces with (its own fake copies are made from it).
+    ``intermediate``: one that requires grad is not a leaf (a piece of a graph may update it in
+    place, as the whole graph may its intermediates)."""
     if not isinstance(x, torch.Tensor):
         return x
     t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device=x.device)
-    return t.requires_grad_(x.requires_grad)
+    t.requires_grad_(x.requires_grad)
+    return t.clone().as_strided(t.shape, t.stride()) if intermediate and x.requires_grad else t
 
 
 aten = torch.ops.aten

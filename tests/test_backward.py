@@ -584,6 +584,58 @@ def test_attention_between_checkpoints_fuses_and_is_not_recomputed():
         assert rel_error(p.grad, p64.grad) < 1e-3, name
 
 
+def _ckpt_scale(t):
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(lambda x: x * 1.0, t, use_reentrant=False)
+
+
+def _attn(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+
+
+def _no_grad_over_a_checkpoint(q, k, v):
+    with torch.no_grad():
+        o = _attn(q, _ckpt_scale(k), v) * 2
+    return _attn(q, k, v) + o
+
+
+def _mutated_checkpoint_output(q, k, v):
+    from torch.utils.checkpoint import checkpoint
+    o, a = checkpoint(lambda q, k, v: (_attn(q, k, v), q * 1.0), q, k, v, use_reentrant=False)
+    a.mul_(2)
+    return _attn(a, k, v) + o
+
+
+def _split_by_a_checkpoint(q, k, v):
+    return _ckpt_scale(torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1)) @ v
+
+
+@pytest.mark.parametrize("fn, regions, reason", [
+    # a piece would be fused under the compile's grad mode: both attentions were one region,
+    # differentiated, and q and v got 3x eager's gradients
+    (_no_grad_over_a_checkpoint, 0, "switches grad mode"),
+    # a piece's inputs were traced as leaves, so its in-place update failed the whole graph's fusion
+    (_mutated_checkpoint_output, 2, None),
+    (_split_by_a_checkpoint, 0, "a checkpoint op splits this attention"),
+], ids=["no_grad", "in_place", "split"])
+def test_pieces_between_checkpoints_keep_eager_semantics(fn, regions, reason):
+    """Cutting a graph at its checkpoints: a grad-mode switch anywhere keeps every piece
+    unfused (with the reason), a piece may update its inputs in place, and an attention that a
+    checkpoint splits is named. Outputs and gradients match float64 eager."""
+    q, k, v = (torch.randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))
+    torch.compiler.reset()
+    report = flashlight.explain(fn, q, k, v)
+    assert len(report.regions) == regions, report
+    assert all(reason in f.reason for f in report.fallbacks) and bool(report.fallbacks) == bool(reason), report
+    torch.compiler.reset()
+    out = torch.compile(fn, backend="flashlight")(q, k, v)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = fn(*leaves)
+    assert rel_error(out, want) < 1e-5
+    for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]), torch.autograd.grad(want.sum(), leaves)):
+        assert rel_error(a, b) < 1e-4
+
+
 def test_checkpointing_without_gradients_fuses_the_whole_graph():
     """A checkpointed model run without gradients recomputes nothing: its checkpoints become
     plain calls, and the whole graph fuses, the attention outside them included. A checkpointed

@@ -283,6 +283,17 @@ def test_layers_stacked_without_projection_fuse_without_spurious_reasons():
     assert rel_error(torch.compile(stacked, backend="flashlight")(q, k, v), reference(stacked, q, k, v)) < 1e-4
 
 
+def test_a_layer_that_does_not_fuse_keeps_its_reason_beside_a_later_one_that_does():
+    """The second layer's candidate reads the first layer's unfused output: its reason stays
+    (the first layer still runs unfused), unlike a candidate whose nodes a region computes."""
+    def as_v(q, k, v):
+        o = torch.softmax((q @ k.transpose(-1, -2) * 0.25).cumsum(-1), -1) @ v
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ o
+    q, k, v = (torch.randn(4, 40, 16) for _ in range(3))
+    report = flashlight.explain(as_v, q, k, v)
+    assert len(report.regions) == 1 and ["cumsum" in f.reason for f in report.fallbacks] == [True], report
+
+
 def _bloom(q, k, v, alibi):
     """BLOOM's attention: the scores by ``torch.baddbmm`` with the ALiBi bias as its input, over
     heads flattened into the batch."""
