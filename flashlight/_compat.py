@@ -89,13 +89,21 @@ def first_argument_alias(target) -> str:
 
 
 def switches_mode(node) -> bool:
-    """A Dynamo graph node that enters or leaves grad mode, inference mode or autocast
-    (``torch.amp.autocast_mode._enter_autocast`` / ``_exit_autocast``: private, present in
-    2.11-2.13): what a graph cut in pieces would lose for the pieces after it."""
+    """A Dynamo graph node that enters or leaves grad mode, inference mode or autocast: what a
+    graph cut in pieces would lose for the pieces after it."""
+    return sets_grad_mode(node) or bool(inference_mode_switch(node)) or bool(autocast_switch(node))
+
+
+def autocast_switch(node) -> str:
+    """``"enter"`` / ``"exit"`` for the nodes Dynamo records for ``torch.autocast()`` inside a
+    program, which the pre-dispatch trace keeps (``torch.amp.autocast_mode._enter_autocast(device,
+    dtype, enabled, cache)`` / ``_exit_autocast``: private, present in 2.11-2.13), else ``""``."""
     import torch.amp.autocast_mode as am
-    autocast = (getattr(am, "_enter_autocast", None), getattr(am, "_exit_autocast", None))
-    return sets_grad_mode(node) or bool(inference_mode_switch(node)) or \
-        (node.op == "call_function" and node.target in autocast)
+    if node.op != "call_function":
+        return ""
+    if node.target is getattr(am, "_enter_autocast", None):
+        return "enter"
+    return "exit" if node.target is getattr(am, "_exit_autocast", None) else ""
 
 
 def inference_mode_switch(node) -> str:

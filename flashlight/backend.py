@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import _compat
-from .capture import Fallback, Match, Unsupported, sdpa, carries_grad, find_regions, mark_gradients, source_line
+from .capture import Fallback, Match, Unsupported, autocast, sdpa, carries_grad, find_regions, mark_gradients, source_line
 from .capture.symbolic import CARRIES
 from .codegen import CodegenError
 from .ir import Region, VerifyError, verify
@@ -260,6 +260,7 @@ def trace(gm: fx.GraphModule, example_inputs,
         if n.op == "get_attr" and _compat.is_fake(getattr(aten_gm, n.target, None)):
             raise Unsupported(f"the trace froze a computed value into a constant ({n.target}): "
                               "an operation outside the dispatcher")
+    autocast.make_explicit(aten_gm.graph, autocast.ambient())
     return aten_gm, sdpa.decompose(aten_gm, keep_sdpa)
 
 

@@ -294,6 +294,20 @@ def test_a_layer_that_does_not_fuse_keeps_its_reason_beside_a_later_one_that_doe
     assert len(report.regions) == 1 and ["cumsum" in f.reason for f in report.fallbacks] == [True], report
 
 
+def test_the_output_dtype_is_part_of_a_regions_identity():
+    """Two programs alike but for a cast of the output (float-to-float casts are no IR op):
+    the second took the first's registered region, and its float32 output."""
+    def plain(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+    def cast(q, k, v):
+        return plain(q, k, v).to(torch.bfloat16)
+    q, k, v = (torch.randn(1, 2, 20, 16) for _ in range(3))
+    assert torch.compile(plain, backend="flashlight")(q, k, v).dtype == torch.float32
+    out = torch.compile(cast, backend="flashlight")(q, k, v)
+    assert out.dtype == torch.bfloat16 and rel_error(out.double(), plain(q, k, v).double()) < 1e-2
+
+
 def _bloom(q, k, v, alibi):
     """BLOOM's attention: the scores by ``torch.baddbmm`` with the ALiBi bias as its input, over
     heads flattened into the batch."""

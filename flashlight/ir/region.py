@@ -131,7 +131,7 @@ class Region:
             on += " base2" if r.base2 else ""
             extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
-        lines.append(f"  out = {fmt(self.out)}")
+        lines.append(f"  out = {fmt(self.out)} {self.out_dtype}")
         if self.out_index is not None:
             shape = self.out_shape if sizes else f"rank {len(self.out_shape)}"
             lines.append(f"  store [{', '.join(fmt(i) for i in self.out_index)}] of {shape}")

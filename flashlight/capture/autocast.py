@@ -1,0 +1,97 @@
+"""``torch.autocast`` made explicit in the ATen graph: the casts it makes become graph nodes.
+
+The pre-dispatch trace records each op as the program wrote it: an autocast block is a pair of
+``_enter_autocast`` / ``_exit_autocast`` calls around ops on their original dtypes, and an
+autocast entered outside the compiled function leaves no trace at all; autocast itself acts
+below, at dispatch. A region built from those ops would compute eager's program without
+autocast: a float32 output where eager gives bfloat16, float32 products where eager multiplies
+bfloat16 operands. So, before the regions are found, every op that runs under autocast is run
+once more on the trace's fake values under the same autocast, and where its result has another
+dtype than an input, that input is cast to it by an explicit ``_to_copy`` node. That one rule
+covers autocast's three policies as they stand on the tracing machine's PyTorch, without a table
+of ops: products cast their operands down to the autocast dtype, softmax and the other float32
+ops cast their input up, the promoting ops cast to the widest input; where autocast leaves an op
+alone, the cast is the type promotion the op does anyway. Each node's fake value is updated, so
+later ops (and the region builder, which reads dtypes there) see autocast's dtypes. A graph
+without autocast is left untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import _compat
+
+aten = torch.ops.aten
+CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+         aten.type_as.default, aten.view.dtype}
+
+
+def ambient() -> dict[str, torch.dtype]:
+    """The autocast this compile runs under (entered outside the compiled function, which Dynamo
+    guards on), by device type."""
+    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+
+
+def make_explicit(graph: fx.Graph, outside: dict[str, torch.dtype]) -> bool:
+    """Insert the casts autocast makes into ``graph`` (module docstring); ``outside``: the
+    autocast in effect when the graph runs (``ambient``). Returns whether any was inserted."""
+    blocks = [n for n in graph.nodes if _compat.autocast_switch(n)]
+    if not outside and not blocks:
+        return False
+    fake = next((n.meta["val"] for n in graph.nodes if _compat.is_fake(n.meta.get("val"))), None)
+    if fake is None:
+        return False
+    states, changed = [dict(outside)], False
+    with fake.fake_mode, _outside_off(outside):
+        for n in list(graph.nodes):
+            switch = _compat.autocast_switch(n)
+            if switch == "enter":
+                device, dtype, enabled = n.args[:3]
+                states.append({**states[-1], device: dtype if enabled else None})
+            elif switch == "exit":
+                states.pop()
+            elif n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload)
+                                              or n.target is operator.getitem):
+                changed |= _rerun(graph, n, states[-1])
+    return changed
+
+
+def _rerun(graph: fx.Graph, n: fx.Node, state: dict) -> bool:
+    """Run ``n`` again on its inputs' fake values under ``state``'s autocast, casting its float
+    inputs to its result's dtype where they differ; ``n.meta["val"]`` takes the new value."""
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda x: x.meta.get("val"))
+    if n.target is operator.getitem or n.target in CASTS or n.target._schema.is_mutable:
+        with contextlib.suppress(Exception):       # the value as it stands, on the new inputs
+            n.meta["val"] = n.target(*args, **kwargs)
+        return False
+    tensors = [x for x in n.all_input_nodes if isinstance(x.meta.get("val"), torch.Tensor)]
+    device = next((x.meta["val"].device.type for x in tensors), None)
+    dtype = state.get(device)
+    with torch.autocast(device, dtype) if dtype is not None else contextlib.nullcontext():
+        val = n.target(*args, **kwargs)
+    n.meta["val"] = val
+    if dtype is None or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+        return False
+    changed = False
+    for x in tensors:
+        if x.meta["val"].is_floating_point() and x.meta["val"].dtype != val.dtype:
+            with graph.inserting_before(n):
+                cast = graph.call_function(aten._to_copy.default, (x,), {"dtype": val.dtype})
+            cast.meta.update(x.meta)
+            cast.meta["val"] = x.meta["val"].to(val.dtype)
+            n.replace_input_with(x, cast)
+            changed = True
+    return changed
+
+
+@contextlib.contextmanager
+def _outside_off(outside: dict[str, torch.dtype]):
+    """The autocast entered outside, off while the ops run again (each gets its own state)."""
+    with contextlib.ExitStack() as stack:
+        for device in outside:
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
