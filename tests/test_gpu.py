@@ -333,3 +333,20 @@ def test_reduce_overhead_replays_the_regions_in_cuda_graphs(name):
     inputs, out, grads, dout = step(10)
     assert launches() == before
     check_against_float64(mod, inputs, out, grads, dout)
+
+
+@pytest.mark.parametrize("name", ["causal", "document_mask"])
+def test_autocast_bf16_from_float32_inputs(name):
+    """Float32 q, k, v under a bfloat16 autocast: the region returns bfloat16 as eager does, and
+    output and float32 gradients are as close to float64 as a bf16 computation gets."""
+    mod = VARIANTS[name]
+    inputs = _inputs(name, B=2, H=4, M=333, D=64)
+    leaves = [x.requires_grad_() for x in inputs if x.is_floating_point()]
+    with torch.autocast("cuda", torch.bfloat16):
+        out = torch.compile(mod.attention, backend="flashlight")(*inputs)
+        want = mod.attention(*inputs)
+    assert out.dtype == want.dtype == torch.bfloat16
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert all(g.dtype == torch.float32 for g in grads)
+    check_against_float64(mod, inputs, out, grads, dout)
