@@ -370,11 +370,14 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
     report.fallbacks += unfused
     checkpoints = [n for n in out.graph.nodes if _compat.is_checkpoint(n)]
     inputs = _compat.subgraph_inputs(out, example_inputs, set(checkpoints) | set(pieces))
+    modes = modes_at(out, set(checkpoints))
     for n in checkpoints + pieces:
         name = n.args[0].target if n in checkpoints else n.target
         args = [materialised(x, intermediate=n in pieces) for x in inputs[n]]
+        grad, casts = modes.get(n, (torch.is_grad_enabled(), {}))
         try:
-            fused, inner = fuse(getattr(out, name), args, max_autotune)
+            with torch.set_grad_enabled(grad), autocast.entered(casts):
+                fused, inner = fuse(getattr(out, name), args, max_autotune)
         except Exception as e:  # noqa: BLE001 — the rest of the graph still fuses; explain() says why
             if os.environ.get("FLASHLIGHT_STRICT") == "1":
                 raise
@@ -389,6 +392,29 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
             setattr(out, name, fused)
     report.graph = out
     return out, report
+
+
+def modes_at(gm: fx.GraphModule, nodes: set[fx.Node]) -> dict[fx.Node, tuple[bool, dict]]:
+    """The grad mode and the autocast (by device type, None where turned off) each of ``nodes``
+    runs under, from the compile's own and the switches before it in ``gm``: a checkpointed
+    body is fused under them, as the graph runs it."""
+    grad, saved, casts, at = torch.is_grad_enabled(), [], [autocast.ambient()], {}
+    for n in gm.graph.nodes:
+        if n in nodes:
+            at[n] = (grad, casts[-1])
+        if _compat.sets_grad_mode(n):
+            grad = bool(n.args[0])
+        elif _compat.inference_mode_switch(n) == "enter":
+            saved.append(grad)
+            grad = grad and not (n.args and n.args[0] is True)
+        elif _compat.inference_mode_switch(n) == "exit" and saved:
+            grad = saved.pop()
+        elif _compat.autocast_switch(n) == "enter":
+            device, dtype, enabled = n.args[:3]
+            casts.append({**casts[-1], device: dtype if enabled else None})
+        elif _compat.autocast_switch(n) == "exit" and len(casts) > 1:
+            casts.pop()
+    return at
 
 
 def segmented(gm: fx.GraphModule, checkpoints: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[Fallback]]:

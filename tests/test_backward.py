@@ -1,6 +1,7 @@
 """Generated backward kernels (codegen/backward.py): gradients of every floating input match
 float64 eager, the generated kernel (not the reference VJP) ran, and what it does not support
 falls back to the reference with a reason. The derivative table is checked op by op."""
+import contextlib
 import copy
 
 import pytest
@@ -634,6 +635,36 @@ def test_pieces_between_checkpoints_keep_eager_semantics(fn, regions, reason):
     assert rel_error(out, want) < 1e-5
     for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]), torch.autograd.grad(want.sum(), leaves)):
         assert rel_error(a, b) < 1e-4
+
+
+def _autocast_over_a_checkpoint(q, k, v):
+    from torch.utils.checkpoint import checkpoint
+    with torch.autocast("cpu", torch.bfloat16):
+        return checkpoint(_attn, q, k, v, use_reentrant=False)
+
+
+def _enable_grad_over_a_checkpoint(q, k, v):     # called under no_grad
+    from torch.utils.checkpoint import checkpoint
+    with torch.enable_grad():
+        return checkpoint(_attn, q * 1.0, k, v, use_reentrant=False)
+
+
+@pytest.mark.parametrize("fn", [_autocast_over_a_checkpoint, _enable_grad_over_a_checkpoint])
+def test_a_checkpointed_body_fuses_under_the_modes_it_runs_in(fn):
+    """A body is fused under the grad mode and autocast that the graph's switches before it
+    set (not the compile's): under a bfloat16 autocast block its region returned float32; under
+    ``enable_grad`` in a graph compiled under ``no_grad`` it was built without a backward."""
+    q, k, v = (torch.randn(1, 2, 20, 16, requires_grad=True) for _ in range(3))
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    with torch.no_grad() if fn is _enable_grad_over_a_checkpoint else contextlib.nullcontext():
+        torch.compiler.reset()
+        out = torch.compile(fn, backend="flashlight")(q, k, v)
+        eager = fn(q, k, v)
+        want = fn(*leaves)
+    assert out.dtype == eager.dtype
+    assert rel_error(out.double(), want) <= max(2 * rel_error(eager.double(), want), 1e-5)
+    for a, b in zip(torch.autograd.grad(out.float().sum(), [q, k, v]), torch.autograd.grad(want.sum(), leaves)):
+        assert rel_error(a.double(), b) < 1e-2
 
 
 def test_checkpointing_without_gradients_fuses_the_whole_graph():

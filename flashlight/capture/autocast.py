@@ -89,6 +89,15 @@ def _rerun(graph: fx.Graph, n: fx.Node, state: dict) -> bool:
 
 
 @contextlib.contextmanager
+def entered(casts: dict[str, torch.dtype | None]):
+    """Autocast as ``casts`` says, by device type (None: turned off)."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in casts.items():
+            stack.enter_context(torch.autocast(device, dtype, enabled=dtype is not None))
+        yield
+
+
+@contextlib.contextmanager
 def _outside_off(outside: dict[str, torch.dtype]):
     """The autocast entered outside, off while the ops run again (each gets its own state)."""
     with contextlib.ExitStack() as stack:
