@@ -71,8 +71,11 @@ def _rerun(graph: fx.Graph, n: fx.Node, state: dict) -> bool:
     tensors = [x for x in n.all_input_nodes if isinstance(x.meta.get("val"), torch.Tensor)]
     device = next((x.meta["val"].device.type for x in tensors), None)
     dtype = state.get(device)
-    with torch.autocast(device, dtype) if dtype is not None else contextlib.nullcontext():
-        val = n.target(*args, **kwargs)
+    try:
+        with torch.autocast(device, dtype) if dtype is not None else contextlib.nullcontext():
+            val = n.target(*args, **kwargs)
+    except Exception:   # noqa: BLE001 — an op fake values cannot run (data-dependent): left as traced
+        return False
     n.meta["val"] = val
     if dtype is None or not isinstance(val, torch.Tensor) or not val.is_floating_point():
         return False
