@@ -223,7 +223,7 @@ def k(
     #   red0 = max_n where(not(le(sub(n, m), 0)), -inf, mul(dot0, 0.12751743082459868)) base2
     #   red1 = sum_n exp2(sub(where(not(le(sub(n, m), 0)), -inf, mul(dot0, 0.12751743082459868)), red0)) online(red0)
     #   red2 = dot_n exp2(sub(where(not(le(sub(n, m), 0)), -inf, mul(dot0, 0.12751743082459868)), red0)) v=in2[b0, b1, n, dv] online(red0)
-    #   out = div_safe(red2, red1)
+    #   out = div_safe(red2, red1) torch.bfloat16
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
     b1 = pid_b % B1

@@ -64,7 +64,7 @@ def fl_bwd_snapshot(
     #   red0 = max_n mul(dot0, 0.7213475204444817) base2
     #   red1 = sum_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) online(red0)
     #   red2 = dot_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) v=in2[b0, n, dv] online(red0)
-    #   out = div_safe(red2, red1)
+    #   out = div_safe(red2, red1) torch.float32
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
     b0 = pid_b % B0
@@ -200,7 +200,7 @@ def fl_bwd_snapshot_dq(
     #   red0 = max_n mul(dot0, 0.7213475204444817) base2
     #   red1 = sum_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) online(red0)
     #   red2 = dot_n exp2(sub(mul(dot0, 0.7213475204444817), red0)) v=in2[b0, n, dv] online(red0)
-    #   out = div_safe(red2, red1)
+    #   out = div_safe(red2, red1) torch.float32
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
     b0 = pid_b % B0
