@@ -48,10 +48,10 @@ nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
 T)  # session 17 (device time scarce): the GPU tests, then issue #5's training table (~8.5 min)
-  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
+  timeout -k 10 230 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -8 $OUT/test_gpu.txt | cut -c1-300
-  timeout -k 10 250 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
-    --no-plots --time-limit 230 --out $OUT/training > $OUT/training.txt 2>&1
+  timeout -k 10 ${TRAIN_S:-200} python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit $(( ${TRAIN_S:-200} - 25 )) --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
   ;;
 F)  # session 17: the whole flex suite, both head dims, in one run (issue #6: "measured in one run")
