@@ -238,10 +238,33 @@ def check(p: Program, tol: float = 1e-3) -> tuple[bool, bool, str]:
     return ok, bool(report.regions), msg
 
 
+def check_autocast(p: Program) -> tuple[bool, bool, str]:
+    """(ok, fused, message) of ``p`` under a bfloat16 autocast on its device: the compiled
+    output has eager's dtype, and its error against float64 is at most twice eager's under the
+    same autocast (bf16 rounding; the kernel keeps the scores in float32), or 4e-3 (a bf16
+    ulp, which Triton's interpreter reaches by truncating its bf16 stores)."""
+    import flashlight
+    from flashlight.testing import rel_error
+    ref = reference(p)
+    with torch.autocast(p.args[0].device.type, torch.bfloat16):
+        torch.compiler.reset()
+        report = flashlight.explain(p.fn, *p.args)
+        torch.compiler.reset()
+        out = torch.compile(p.fn, backend="flashlight")(*p.args)
+        try:
+            want = p.fn(*p.args)
+        except RuntimeError as e:       # eager's own failure (a float32 fill beyond bfloat16's range)
+            return True, bool(report.regions), f"eager fails: {e}"
+    err, floor = rel_error(out.double().nan_to_num(0), ref), rel_error(want.double().nan_to_num(0), ref)
+    ok = out.dtype == want.dtype and err <= max(2 * floor, 4e-3)
+    return ok, bool(report.regions), f"{out.dtype} against {want.dtype}, err={err:.2e} (eager {floor:.2e})"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--autocast", action="store_true", help="run each program under a bfloat16 autocast")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", category=RuntimeWarning)   # the interpreter's numpy overflow chatter
     bad, fused = 0, 0
@@ -250,7 +273,7 @@ def main(argv=None) -> int:
         torch.manual_seed(args.seed * 1_000_003 + i)
         p = make_program(rng)
         try:
-            ok, f, msg = check(p)
+            ok, f, msg = check_autocast(p) if args.autocast else check(p)
         except Exception as e:  # noqa: BLE001 — a crash is a failure to report, not to hide
             ok, f, msg = False, False, f"crash: {type(e).__name__}: {e}"
         fused += f

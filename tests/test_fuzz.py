@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from flashlight.fuzz import check, make_program
+from flashlight.fuzz import check, check_autocast, make_program
 
 
 @pytest.mark.parametrize("i", range(24))
@@ -14,4 +14,15 @@ def test_random_program_matches_fp64(i):
     torch.manual_seed(4242 + i)
     p = make_program(rng)
     ok, _, msg = check(p)
+    assert ok, f"{p.desc}: {msg}"
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_random_program_under_autocast_matches_eager_autocast(i):
+    """The same programs under a bfloat16 autocast (``fuzz --autocast``): eager's dtype, and no
+    more error against float64 than eager's own under autocast."""
+    rng = random.Random(5151 + i)
+    torch.manual_seed(5151 + i)
+    p = make_program(rng)
+    ok, _, msg = check_autocast(p)
     assert ok, f"{p.desc}: {msg}"
