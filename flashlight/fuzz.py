@@ -14,6 +14,8 @@ is plain PyTorch, built from closures.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
 import random
 import sys
@@ -238,21 +240,28 @@ def check(p: Program, tol: float = 1e-3) -> tuple[bool, bool, str]:
     return ok, bool(report.regions), msg
 
 
-def check_autocast(p: Program) -> tuple[bool, bool, str]:
-    """(ok, fused, message) of ``p`` under a bfloat16 autocast on its device: the compiled
-    output has eager's dtype, and its error against float64 is at most twice eager's under the
-    same autocast (bf16 rounding; the kernel keeps the scores in float32), or 4e-3 (a bf16
-    ulp, which Triton's interpreter reaches by truncating its bf16 stores)."""
+def check_autocast(p: Program, inside: bool) -> tuple[bool, bool, str]:
+    """(ok, fused, message) of ``p`` under a bfloat16 autocast on its device, entered around the
+    compiled call or (``inside``) within the compiled function: the compiled output has eager's
+    dtype, and its error against float64 is at most twice eager's under the same autocast (bf16
+    rounding; the kernel keeps the scores in float32), or 4e-3 (a bf16 ulp, which Triton's
+    interpreter reaches by truncating its bf16 stores)."""
     import flashlight
     from flashlight.testing import rel_error
     ref = reference(p)
-    with torch.autocast(p.args[0].device.type, torch.bfloat16):
+    autocast = functools.partial(torch.autocast, p.args[0].device.type, torch.bfloat16)
+
+    def fn(*xs):
+        with autocast():
+            return p.fn(*xs)
+    fn = fn if inside else p.fn
+    with contextlib.nullcontext() if inside else autocast():
         torch.compiler.reset()
-        report = flashlight.explain(p.fn, *p.args)
+        report = flashlight.explain(fn, *p.args)
         torch.compiler.reset()
-        out = torch.compile(p.fn, backend="flashlight")(*p.args)
+        out = torch.compile(fn, backend="flashlight")(*p.args)
         try:
-            want = p.fn(*p.args)
+            want = fn(*p.args)
         except RuntimeError as e:       # eager's own failure (a float32 fill beyond bfloat16's range)
             return True, bool(report.regions), f"eager fails: {e}"
     err, floor = rel_error(out.double().nan_to_num(0), ref), rel_error(want.double().nan_to_num(0), ref)
@@ -273,7 +282,7 @@ def main(argv=None) -> int:
         torch.manual_seed(args.seed * 1_000_003 + i)
         p = make_program(rng)
         try:
-            ok, f, msg = check_autocast(p) if args.autocast else check(p)
+            ok, f, msg = check_autocast(p, inside=i % 2 == 1) if args.autocast else check(p)
         except Exception as e:  # noqa: BLE001 — a crash is a failure to report, not to hide
             ok, f, msg = False, False, f"crash: {type(e).__name__}: {e}"
         fused += f
