@@ -111,6 +111,17 @@ def _kernels(source: str) -> dict[str, str]:
     return kernels
 
 
+def _matches_float64(fn, q, k, v):
+    """The compiled ``fn``'s output and the gradients of its sum match float64 eager."""
+    torch.compiler.reset()
+    out = torch.compile(fn, backend="flashlight")(q, k, v)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = fn(*leaves)
+    assert rel_error(out, want) < 1e-5
+    for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]), torch.autograd.grad(want.sum(), leaves)):
+        assert rel_error(a, b) < 1e-4
+
+
 def test_a_value_computed_and_never_used_is_no_row_output():
     """A row max the program computes and never uses (left over from an edit) was a row output
     of the region, whose backward then was the reference VJP (the scores materialised). Dead
@@ -123,13 +134,7 @@ def test_a_value_computed_and_never_used_is_no_row_output():
     report = flashlight.explain(leftover, q, k, v)
     assert len(report.regions) == 1 and not any("row-outputs" in f for f in report.regions[0].features), report
     assert report.regions[0].backward.startswith("generated"), report.regions[0].backward
-    torch.compiler.reset()
-    out = torch.compile(leftover, backend="flashlight")(q, k, v)
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = leftover(*leaves)
-    assert rel_error(out, want) < 1e-5
-    for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]), torch.autograd.grad(want.sum(), leaves)):
-        assert rel_error(a, b) < 1e-4
+    _matches_float64(leftover, q, k, v)
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice")
@@ -628,13 +633,7 @@ def test_pieces_between_checkpoints_keep_eager_semantics(fn, regions, reason):
     report = flashlight.explain(fn, q, k, v)
     assert len(report.regions) == regions, report
     assert all(reason in f.reason for f in report.fallbacks) and bool(report.fallbacks) == bool(reason), report
-    torch.compiler.reset()
-    out = torch.compile(fn, backend="flashlight")(q, k, v)
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = fn(*leaves)
-    assert rel_error(out, want) < 1e-5
-    for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]), torch.autograd.grad(want.sum(), leaves)):
-        assert rel_error(a, b) < 1e-4
+    _matches_float64(fn, q, k, v)
 
 
 def _autocast_over_a_checkpoint(q, k, v):
