@@ -47,6 +47,10 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+G)  # the GPU tests alone (~4 min)
+  timeout -k 10 220 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
+  echo "test_gpu rc $?"; tail -12 $OUT/test_gpu.txt | cut -c1-300
+  ;;
 T)  # session 17 (device time scarce): the GPU tests, then issue #5's training table (~8.5 min)
   timeout -k 10 230 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -8 $OUT/test_gpu.txt | cut -c1-300
