@@ -156,21 +156,30 @@ def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
     graph, _ = copied(gm)
     enabled, before = torch.is_grad_enabled(), {}      # a rewritten enter -> grad mode before it
     for n in list(graph.nodes):
-        switch = _compat.inference_mode_switch(n)
-        if _compat.sets_grad_mode(n):
-            enabled = bool(n.args[0])
-        elif switch == "enter" and n.args and n.args[0] is True:
-            before[n], enabled = enabled, False
-            with graph.inserting_before(n):
-                graph.call_function(_compat.set_grad_enabled_fn(), (False,))
-        elif switch == "exit" and n.args and n.args[0] in before:     # its own enter's (not inference_mode(False)'s)
-            enabled = before[n.args[0]]
+        enabled = grad_after(n, enabled, before)
+        if _compat.inference_mode_switch(n) and (n in before or n.args and n.args[0] in before):
             with graph.inserting_before(n):
                 graph.call_function(_compat.set_grad_enabled_fn(), (enabled,))
     for n in reversed(list(graph.nodes)):     # the exits first: they read the enters
         if _compat.inference_mode_switch(n) and not n.users:
             graph.erase_node(n)
     return fx.GraphModule(gm, graph)
+
+
+def grad_after(n: fx.Node, enabled: bool, before: dict) -> bool:
+    """Grad mode after the Dynamo graph node ``n`` runs with grad mode ``enabled``: a
+    ``set_grad_enabled`` call sets it, ``inference_mode(True)`` turns it off and its own exit
+    (not an inner ``inference_mode(False)``'s) restores it; ``before``: such an enter -> the
+    mode before it, filled here."""
+    switch = _compat.inference_mode_switch(n)
+    if _compat.sets_grad_mode(n):
+        return bool(n.args[0])
+    if switch == "enter" and n.args and n.args[0] is True:
+        before[n] = enabled
+        return False
+    if switch == "exit" and n.args and n.args[0] in before:
+        return before[n.args[0]]
+    return enabled
 
 
 def data_as_detach(gm: fx.GraphModule) -> fx.GraphModule:
@@ -370,11 +379,11 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
     report.fallbacks += unfused
     checkpoints = [n for n in out.graph.nodes if _compat.is_checkpoint(n)]
     inputs = _compat.subgraph_inputs(out, example_inputs, set(checkpoints) | set(pieces))
-    modes = modes_at(out, set(checkpoints))
+    modes = modes_at(out, set(checkpoints) | set(pieces))
     for n in checkpoints + pieces:
         name = n.args[0].target if n in checkpoints else n.target
         args = [materialised(x, intermediate=n in pieces) for x in inputs[n]]
-        grad, casts = modes.get(n, (torch.is_grad_enabled(), {}))
+        grad, casts = modes[n]
         try:
             with torch.set_grad_enabled(grad), autocast.entered(casts):
                 fused, inner = fuse(getattr(out, name), args, max_autotune)
@@ -398,22 +407,11 @@ def modes_at(gm: fx.GraphModule, nodes: set[fx.Node]) -> dict[fx.Node, tuple[boo
     """The grad mode and the autocast (by device type, None where turned off) each of ``nodes``
     runs under, from the compile's own and the switches before it in ``gm``: a checkpointed
     body is fused under them, as the graph runs it."""
-    grad, saved, casts, at = torch.is_grad_enabled(), [], [autocast.ambient()], {}
+    grad, casts, grads_before, casts_before, at = torch.is_grad_enabled(), autocast.ambient(), {}, {}, {}
     for n in gm.graph.nodes:
         if n in nodes:
-            at[n] = (grad, casts[-1])
-        if _compat.sets_grad_mode(n):
-            grad = bool(n.args[0])
-        elif _compat.inference_mode_switch(n) == "enter":
-            saved.append(grad)
-            grad = grad and not (n.args and n.args[0] is True)
-        elif _compat.inference_mode_switch(n) == "exit" and saved:
-            grad = saved.pop()
-        elif _compat.autocast_switch(n) == "enter":
-            device, dtype, enabled = n.args[:3]
-            casts.append({**casts[-1], device: dtype if enabled else None})
-        elif _compat.autocast_switch(n) == "exit" and len(casts) > 1:
-            casts.pop()
+            at[n] = (grad, casts)
+        grad, casts = grad_after(n, grad, grads_before), autocast.after(n, casts, casts_before)
     return at
 
 

@@ -39,25 +39,34 @@ def ambient() -> dict[str, torch.dtype]:
 def make_explicit(graph: fx.Graph, outside: dict[str, torch.dtype]) -> bool:
     """Insert the casts autocast makes into ``graph`` (module docstring); ``outside``: the
     autocast in effect when the graph runs (``ambient``). Returns whether any was inserted."""
-    blocks = [n for n in graph.nodes if _compat.autocast_switch(n)]
-    if not outside and not blocks:
+    if not outside and not any(_compat.autocast_switch(n) for n in graph.nodes):
         return False
     fake = next((n.meta["val"] for n in graph.nodes if _compat.is_fake(n.meta.get("val"))), None)
     if fake is None:
         return False
-    states, changed = [dict(outside)], False
+    state, before, changed = dict(outside), {}, False
     with fake.fake_mode, _outside_off(outside):
         for n in list(graph.nodes):
-            switch = _compat.autocast_switch(n)
-            if switch == "enter":
-                device, dtype, enabled = n.args[:3]
-                states.append({**states[-1], device: dtype if enabled else None})
-            elif switch == "exit":
-                states.pop()
+            if _compat.autocast_switch(n):
+                state = after(n, state, before)
             elif n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload)
                                               or n.target is operator.getitem):
-                changed |= _rerun(graph, n, states[-1])
+                changed |= _rerun(graph, n, state)
     return changed
+
+
+def after(n: fx.Node, state: dict, before: dict) -> dict:
+    """The autocast (by device type, None where turned off) after node ``n`` runs under
+    ``state``: an enter sets its device's, its exit restores the state before that enter
+    (``before``: enter -> state, filled here)."""
+    switch = _compat.autocast_switch(n)
+    if switch == "enter":
+        device, dtype, enabled = n.args[:3]
+        before[n] = state
+        return {**state, device: dtype if enabled else None}
+    if switch == "exit" and n.args and n.args[0] in before:
+        return before[n.args[0]]
+    return state
 
 
 def _rerun(graph: fx.Graph, n: fx.Node, state: dict) -> bool:
