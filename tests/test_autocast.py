@@ -119,3 +119,59 @@ def test_a_graph_without_autocast_is_left_as_it_is():
     assert not any(n.target == torch.ops.aten._to_copy.default for n in aten_gm.graph.nodes)
     assert not autocast.make_explicit(aten_gm.graph, {"cuda": torch.float16})
     assert not autocast.make_explicit(aten_gm.graph, {})
+
+
+def _gqa_inside(q, k, v):
+    with torch.autocast("cpu", torch.bfloat16):
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+
+
+def _sdpa_inside(q, k, v):
+    with torch.autocast("cpu", torch.bfloat16):
+        i = torch.arange(q.shape[-2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=i[:, None] >= i[None, :])
+
+
+def _narrowed_alibi(q, k, v):
+    """Casts written out (no autocast), the ALiBi bias built in the program and cast too."""
+    low = torch.bfloat16 if q.dtype == torch.float32 else q.dtype
+    i = torch.arange(q.shape[-2])
+    slopes = torch.exp2(-torch.arange(1, q.shape[1] + 1, dtype=q.dtype))
+    bias = (slopes[:, None, None] * (i[None, None, :] - i[None, :, None])).to(low)
+    s = q.to(low) @ k.to(low).transpose(-1, -2) * 0.25 + bias
+    return torch.softmax(s.float(), -1).to(low) @ v.to(low)
+
+
+@pytest.mark.parametrize("fn, kv_heads", [
+    (attention_inside, 4), (_gqa_inside, 2), (_sdpa_inside, 4), (_narrowed_alibi, 4),
+], ids=["inside", "gqa-inside", "sdpa-inside", "explicit-casts"])
+def test_products_read_the_narrow_operands_the_program_casts_to(fn, kv_heads):
+    """float32 q, k, v narrowed to bfloat16 before their products (by autocast, or written
+    out): the region loads the narrowed q, k and v, so its products run on bfloat16 as eager's
+    do. Before, it loaded the float32 tensors and multiplied in float32 (an fp32 product path on
+    a GPU). The casts go to k and v themselves, not to GQA's expanded copies or k's transpose,
+    and a bias built in the program is not materialised. Output and gradients stay within twice
+    eager's error against float64 (bf16-exact inputs: the written-out casts round nothing)."""
+    torch.manual_seed(0)
+    shapes = [(2, 4, 37, 16), (2, kv_heads, 37, 16), (2, kv_heads, 37, 16)]
+    args = [torch.randn(s).bfloat16().float().requires_grad_() for s in shapes]
+    report = flashlight.explain(fn, *args)
+    assert len(report.regions) == 1 and not report.fallbacks, report
+    ir = report.regions[0].ir
+    loads = [line for line in ir.splitlines() if line.strip().startswith("in")]
+    assert len(loads) == 3 and all("torch.bfloat16" in line for line in loads), ir
+    assert [line.split("(")[1].split(")")[0] for line in loads] == \
+        [", ".join(map(str, s)) for s in shapes], ir       # k's own layout and heads
+    leaves = [x.detach().double().requires_grad_() for x in args]
+    ref = fn(*leaves)
+    torch.compiler.reset()
+    out = torch.compile(fn, backend="flashlight")(*args)
+    want = fn(*args)
+    assert out.dtype == want.dtype == torch.bfloat16
+    assert rel_error(out.double(), ref) <= max(2 * rel_error(want.double(), ref), 1e-5)
+    got = torch.autograd.grad(out.float().sum(), args)
+    eager = torch.autograd.grad(want.float().sum(), args)
+    for g, e, r in zip(got, eager, torch.autograd.grad(ref.sum(), leaves)):
+        assert g.dtype == e.dtype == torch.float32
+        assert rel_error(g.double(), r) <= max(2 * rel_error(e.double(), r), 1e-5)

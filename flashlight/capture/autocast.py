@@ -18,6 +18,7 @@ without autocast is left untouched.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 
 import torch
@@ -92,12 +93,49 @@ def _rerun(graph: fx.Graph, n: fx.Node, state: dict) -> bool:
     for x in tensors:
         if x.meta["val"].is_floating_point() and x.meta["val"].dtype != val.dtype:
             with graph.inserting_before(n):
-                cast = graph.call_function(aten._to_copy.default, (x,), {"dtype": val.dtype})
-            cast.meta.update(x.meta)
-            cast.meta["val"] = x.meta["val"].to(val.dtype)
-            n.replace_input_with(x, cast)
+                n.replace_input_with(x, _cast(graph, x, val.dtype))
             changed = True
     return changed
+
+
+# ops that only move elements (a cast commutes with them), each reading one tensor, its first argument
+MOVES = {aten.transpose.int, aten.permute.default, aten.t.default, aten.view.default, aten.reshape.default,
+         aten._unsafe_view.default, aten.flatten.using_ints, aten.unflatten.int, aten.expand.default,
+         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.repeat_interleave.self_int,
+         aten.repeat.default, aten.clone.default, aten.contiguous.default, aten.alias.default}
+
+
+def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """``x`` cast to ``dtype`` by a new node at the insertion point. The cast goes to the start
+    of the moves that made ``x`` (transposes, views, GQA's expansion of k), each moving no more
+    elements than the tensor it reads, and they are replayed on its result: cast as they come,
+    ``k.transpose(-1, -2)`` would become a narrow copy in the transposed layout, and an
+    expanded k a copy per query head, where the kernel reads k's own layout through index
+    arithmetic."""
+    chain = [x]
+    while chain[-1].target in MOVES and isinstance(chain[-1].args[0], fx.Node) and \
+            _size(chain[-1].args[0]) <= _size(chain[-1]) < math.inf:
+        chain.append(chain[-1].args[0])
+    base = chain.pop()
+    out = graph.call_function(aten._to_copy.default, (base,), {"dtype": dtype})
+    out.meta.update(base.meta)
+    out.meta["val"] = base.meta["val"].to(dtype)
+    for move in reversed(chain):
+        args = (out, *move.args[1:])
+        new = graph.call_function(move.target, args, move.kwargs)
+        new.meta.update(move.meta)
+        vals, kwargs = fx.node.map_arg((args, move.kwargs), lambda a: a.meta.get("val"))
+        new.meta["val"] = move.target(*vals, **kwargs)
+        out = new
+    return out
+
+
+def _size(n: fx.Node) -> float:
+    """The number of elements of ``n``'s value (infinite where unknown or symbolic)."""
+    try:
+        return int(n.meta["val"].numel())
+    except Exception:   # noqa: BLE001 — no value, or a symbolic size: moves no cast past it
+        return math.inf
 
 
 @contextlib.contextmanager

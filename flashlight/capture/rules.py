@@ -101,9 +101,30 @@ def _pow(b, node, x, y):
 
 
 def _cast(b, node, x, *_, **__):
-    kind = kind_of(meta(node).dtype)
-    s = b.sym(x)
-    return Sym(out_shape(node), kind, lambda idx: coerce(s(idx), kind))
+    """A cast only changes the kind: the kernel computes in fp32 whatever the dtype. But a float
+    narrowed to a smaller float (``q.to(torch.bfloat16)``, the casts autocast makes before a
+    product) and read as a product operand, along a head dim, is loaded as computed outside the
+    kernel when it is computed from loads alone: the product then runs on the narrow type, as
+    eager's does, where loading the wide tensor makes the kernel's products fp32 (on an fp32
+    tensor core path, or no tensor cores at all)."""
+    kind, s = kind_of(meta(node).dtype), b.sym(x)
+    if not _narrows(meta(x), meta(node)):
+        return Sym(out_shape(node), kind, lambda idx: coerce(s(idx), kind))
+    leaf = b.leaf(node)
+
+    def fn(idx):
+        spans = set().union(*(free_vars(i) for i in idx))
+        saved = b.snapshot()
+        e = s(idx)
+        if spans & {"dk", "dv"} and not {"m", "n"} <= spans and not refs(e, "dot") | refs(e, "red"):
+            b.restore(saved)      # the wide tensor's loads are not the kernel's
+            return leaf(idx)
+        return coerce(e, kind)
+    return Sym(out_shape(node), kind, fn)
+
+
+def _narrows(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    return src.is_floating_point() and dst.is_floating_point() and dst.itemsize < src.itemsize
 
 
 def _identity(b, node, x, *_, **__):
