@@ -51,6 +51,16 @@ G)  # the GPU tests alone (~4 min)
   timeout -k 10 220 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -12 $OUT/test_gpu.txt | cut -c1-300
   ;;
+H)  # session 18: T with the tests' results streamed (a call in session 18 got "stopped answering" in T),
+    # and the benchmarks without the fast launch path if the tests hung
+  timeout -k 10 230 python3 -m pytest -x -v -p no:cacheprovider tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
+    | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | cut -c1-140
+  rc=${PIPESTATUS[0]}; echo "test_gpu rc $rc"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then export FLASHLIGHT_FAST_LAUNCH=0; fi
+  timeout -k 10 ${TRAIN_S:-200} python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit $(( ${TRAIN_S:-200} - 25 )) --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
+  ;;
 T)  # session 17 (device time scarce): the GPU tests, then issue #5's training table (~8.5 min)
   timeout -k 10 230 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -8 $OUT/test_gpu.txt | cut -c1-300
