@@ -228,6 +228,7 @@ def test_gluon_tile_kernels_long_loops_and_fallbacks(name, D, M, N, monkeypatch)
     monkeypatch.setenv("FLASHLIGHT_GLUON_DQ", "all")
     monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")
     mod = VARIANTS[name]
+    REGISTRY.clear()        # this case's region alone
     torch.manual_seed(0)
     q = torch.randn(1, 2, M, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, 2, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))

@@ -7,9 +7,10 @@ cannot read.
 the Triton kernel (``codegen.gluon.gluon_pays``), ``all`` wherever it applies (the GPU tests),
 ``0`` never (an A/B in one process: ``benchmarks.run --b-env FLASHLIGHT_GLUON=0``).
 ``FLASHLIGHT_GLUON_DKDV`` and ``FLASHLIGHT_GLUON_DQ`` do the same for the backward's dK/dV and dQ
-kernels, whose default is ``all``: in session 14's training suite on the H200 (docs/notes.md) they
-ran every step at 0.998-1.11x the Triton tile kernels' time (document mask D=128: 1.11x), also
-where the forward keeps Triton's kernel.
+kernels, whose default is ``1`` too: in session 18's per-kernel profile on the H200
+(docs/notes.md) they were faster than the Triton tile kernels only where the Gluon forward is
+(causal and ALiBi at D=128: dK/dV 1166 against 1216 µs, dQ 659 against 741), slower at D=64
+(document mask dK/dV 309 against 244 µs) and on the document mask at D=128 (462 against 355).
 """
 from __future__ import annotations
 
@@ -29,10 +30,8 @@ from ..tune import cdiv, pow2
 def mode(kernel: str = "fwd") -> str:
     """``FLASHLIGHT_GLUON`` for the forward, ``FLASHLIGHT_GLUON_DKDV`` / ``_DQ`` for the tile
     kernels ("dkdv", "dq"): "1", "all" or "0" (read per launch: the tests and A/Bs switch them).
-    The tile kernels' default is ``all`` (module doc: measured, session 14)."""
-    if kernel == "fwd":
-        return os.environ.get("FLASHLIGHT_GLUON", "1")
-    return os.environ.get(f"FLASHLIGHT_GLUON_{kernel.upper()}", "all")
+    Every default is ``1`` (module doc: measured, session 18)."""
+    return os.environ.get("FLASHLIGHT_GLUON" if kernel == "fwd" else f"FLASHLIGHT_GLUON_{kernel.upper()}", "1")
 
 
 @functools.lru_cache(maxsize=None)
