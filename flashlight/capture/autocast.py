@@ -46,14 +46,22 @@ def make_explicit(graph: fx.Graph, outside: dict[str, torch.dtype]) -> bool:
     if fake is None:
         return False
     state, before, changed = dict(outside), {}, False
+    # a cast moved up a chain of moves reads the chain's start where the program read its end:
+    # another value after an in-place write between them, and under the product's grad mode
+    # where the moves ran under no_grad
+    movable = not any(_compat.sets_grad_mode(n) or _mutates(n) for n in graph.nodes)
     with fake.fake_mode, _outside_off(outside):
         for n in list(graph.nodes):
             if _compat.autocast_switch(n):
                 state = after(n, state, before)
             elif n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload)
                                               or n.target is operator.getitem):
-                changed |= _rerun(graph, n, state)
+                changed |= _rerun(graph, n, state, movable)
     return changed
+
+
+def _mutates(n: fx.Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
 
 
 def after(n: fx.Node, state: dict, before: dict) -> dict:
@@ -70,9 +78,10 @@ def after(n: fx.Node, state: dict, before: dict) -> dict:
     return state
 
 
-def _rerun(graph: fx.Graph, n: fx.Node, state: dict) -> bool:
+def _rerun(graph: fx.Graph, n: fx.Node, state: dict, movable: bool) -> bool:
     """Run ``n`` again on its inputs' fake values under ``state``'s autocast, casting its float
-    inputs to its result's dtype where they differ; ``n.meta["val"]`` takes the new value."""
+    inputs to its result's dtype where they differ (``_cast``; at the start of their moves where
+    ``movable``); ``n.meta["val"]`` takes the new value."""
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda x: x.meta.get("val"))
     if n.target is operator.getitem or n.target in CASTS or n.target._schema.is_mutable:
         with contextlib.suppress(Exception):       # the value as it stands, on the new inputs
@@ -93,7 +102,7 @@ def _rerun(graph: fx.Graph, n: fx.Node, state: dict) -> bool:
     for x in tensors:
         if x.meta["val"].is_floating_point() and x.meta["val"].dtype != val.dtype:
             with graph.inserting_before(n):
-                n.replace_input_with(x, _cast(graph, x, val.dtype))
+                n.replace_input_with(x, _cast(graph, x, val.dtype, movable))
             changed = True
     return changed
 
@@ -105,15 +114,16 @@ MOVES = {aten.transpose.int, aten.permute.default, aten.t.default, aten.view.def
          aten.repeat.default, aten.clone.default, aten.contiguous.default, aten.alias.default}
 
 
-def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype) -> fx.Node:
+def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, movable: bool = True) -> fx.Node:
     """``x`` cast to ``dtype`` by a new node at the insertion point. The cast goes to the start
     of the moves that made ``x`` (transposes, views, GQA's expansion of k), each moving no more
     elements than the tensor it reads, and they are replayed on its result: cast as they come,
     ``k.transpose(-1, -2)`` would become a narrow copy in the transposed layout, and an
     expanded k a copy per query head, where the kernel reads k's own layout through index
-    arithmetic."""
+    arithmetic. Not ``movable`` (the graph writes in place or switches grad mode): cast as it
+    comes."""
     chain = [x]
-    while chain[-1].target in MOVES and isinstance(chain[-1].args[0], fx.Node) and \
+    while movable and chain[-1].target in MOVES and isinstance(chain[-1].args[0], fx.Node) and \
             _size(chain[-1].args[0]) <= _size(chain[-1]) < math.inf:
         chain.append(chain[-1].args[0])
     base = chain.pop()

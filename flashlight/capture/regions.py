@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import Expr, Input, Region, Row, const, free_vars, refs, walk
+from .autocast import CASTS, MOVES
 from .epilogue import CONTRACTIONS, extend, packet
 from .ranges import check_integer_ranges
 from .rules import einsum_letters, permute_back
@@ -166,7 +167,7 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
     other tensors, products included (a bias from a ``Linear``). A threshold that reaches the
     compiled function as an input cannot be told from any other input: computed from the same
     scores outside it, it meets the same rounding (README)."""
-    operands = [{leaves[i] for i in refs(d.q, "load") | refs(d.k, "load")} for d in region.dots]
+    operands = [{_source(leaves[i]) for i in refs(d.q, "load") | refs(d.k, "load")} for d in region.dots]
     copies: dict[int, bool] = {}
 
     def copies_scores(i: int) -> bool:      # asked only of loads that meet the scores in a jump
@@ -202,6 +203,15 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
                     raise Unsupported(f"the scores meet {names} in {x.op}, a value computed outside the region from "
                                       "the same q and k: the kernel recomputes the scores, not bitwise as eager's one "
                                       "product, and at equal values the result would flip", contraction)
+
+
+def _source(n: fx.Node) -> fx.Node:
+    """The tensor that ``n`` casts or moves (``autocast.CASTS``, ``autocast.MOVES``), through any
+    number of them: a product's narrowed operand is a leaf of its own (``rules._cast``), and
+    autocast narrows each product's operands by casts of their own."""
+    while n.op == "call_function" and n.target in CASTS | MOVES and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
 
 
 def _downstream(nodes: set[fx.Node]) -> set[fx.Node]:
