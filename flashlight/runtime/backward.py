@@ -219,10 +219,10 @@ class BackwardKernels:
 
     def gluon_tile_applies(self, kernel: str, inputs, rowstats, drows, bufs) -> bool:
         """May this backward run the Gluon ``kernel``: sm_90, ``FLASHLIGHT_GLUON_DKDV`` / ``_DQ``
-        (default ``1``: only where the Gluon forward measured faster; ``all``: wherever it applies), a region it
-        supports, a usable layout of the inputs, the row statistics and gradients and the gradient
-        tensors it writes (``runtime.gluon.tiles_usable``), unless it failed? The cheap tests
-        first: this runs on every backward."""
+        (default ``1``: only where the Gluon forward measured faster; ``all``: wherever it
+        applies), a region it supports, a usable layout of the inputs, the row statistics and
+        gradients and the gradient tensors it writes (``runtime.gluon.tiles_usable``), unless it
+        failed? The cheap tests first: this runs on every backward."""
         mode = gluon.mode(kernel)
         if (self.tier(kernel).kernel is False or mode == "0" or not gluon.runs_on(inputs[0].device)
                 or (mode != "all" and self.gluon_tiles_slower)
