@@ -30,7 +30,6 @@ import torch
 
 from flashlight.examples import VARIANTS
 from flashlight.codegen.gluon import gluon_support
-from flashlight.codegen.gluon_backward import tiles_support
 from flashlight.runtime import gluon
 from flashlight.runtime import op as rt
 from flashlight.runtime.backward import compile_gluon_tile
@@ -105,14 +104,17 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     k = c.backward_kernels()
     if k is None:
         return found
-    k.rows, k.dkdv, k.dq = (Recorder(x.fn) for x in (k.rows, k.dkdv, k.dq))
-    bufs = k.buffers(inputs)
+    tiles = k.needed_kernels(None)        # no dQ kernel where the dK/dV kernel adds dQ (FLASHLIGHT_ATOMIC_DQ)
+    k.rows, k.dkdv = Recorder(k.rows.fn), Recorder(k.dkdv.fn)
+    k.dq = Recorder(k.dq.fn) if "dq" in tiles else None
+    bufs = k.buffers(inputs, tiles)
     drows = k.launch_rows(inputs, rowstats, out, torch.empty_like(out), bufs, cfg["rows"])
-    k.launch_dkdv(inputs, rowstats, drows, bufs, {}, cfg["dkdv"])
-    k.launch_dq(inputs, rowstats, drows, bufs, {}, cfg["dq"])
-    for name, rec in (("rows", k.rows), ("dkdv", k.dkdv), ("dq", k.dq)):
+    for kernel in tiles:
+        getattr(k, f"launch_{kernel}")(inputs, rowstats, drows, bufs, {}, cfg[kernel])
+    for name in ("rows", *tiles):
+        rec = getattr(k, name)
         found[name] = (rec.fn, *rec.launches[0], cfg[name])
-    if not tiles_support(c.region):       # the Hopper tile kernels, with the Triton kernels' arguments
+    if not k.gluon_tiles_unsupported:     # the Hopper tile kernels, with the Triton kernels' arguments
         for kernel, rec in (("dkdv", k.dkdv), ("dq", k.dq)):
             found[f"g{kernel}"] = (jit(compile_gluon_tile(k, kernel)), tuple(rec.launches[0][0]),
                                    gluon.tile_meta(kernel, c.region, inputs, drows[1]), "gluon")

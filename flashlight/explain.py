@@ -113,7 +113,8 @@ def region_report(c) -> RegionReport:
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
     backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
         f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
-    hopper = hopper_forward(r) + (f"; {hopper_backward(r)}" if c.bwd_kernel is not None else "")
+    hopper = hopper_forward(r) + (f"; {hopper_backward(r, c.bwd_kernel.plan.fused_dq)}" if c.bwd_kernel is not None
+                                  else "")
     return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
                         backward, c.bwd_source, hopper)
 
@@ -125,11 +126,13 @@ def hopper_forward(r: Region) -> str:
     return f"Triton kernel ({why})" if why else "Gluon forward (warp-specialised), when K and V are whole [key, head] rows"
 
 
-def hopper_backward(r: Region) -> str:
+def hopper_backward(r: Region, fused_dq: bool = False) -> str:
     """Which tile kernels of the generated backward an sm_90 GPU runs (``codegen.gluon_backward``)."""
     from .codegen.gluon import gluon_pays
     from .codegen.gluon_backward import tiles_support
     from .runtime.gluon import mode
+    if fused_dq:
+        return "a Triton dK/dV kernel that adds dQ with fp32 atomics (FLASHLIGHT_ATOMIC_DQ)"
     modes = {mode(k) for k in ("dkdv", "dq")}
     why = tiles_support(r) or ("off: FLASHLIGHT_GLUON_DKDV / _DQ" if "0" in modes else "") or \
         (gluon_pays(r) if "1" in modes else "")

@@ -689,3 +689,30 @@ def test_checkpointing_without_gradients_fuses_the_whole_graph():
     torch.compiler.reset()
     out = torch.compile(sdpa_layer, backend="flashlight")(q, k, v, keep)
     assert rel_error(out, sdpa_layer(*(x.double() for x in (q, k, v)), keep)) < 1e-5
+
+
+@pytest.mark.parametrize("name,D", [("causal", 16), ("document_mask", 16), ("gqa", 16), ("diff_attention", 32),
+                                    ("evoformer", 16), ("relative_position", 16), ("sinks", 16), ("ipa", 16),
+                                    ("causal", 80)])
+def test_fused_dq_adds_dq_in_the_dkdv_kernel(name, D, monkeypatch):
+    """``FLASHLIGHT_ATOMIC_DQ=1`` (``GradPlan.fused_dq``): the dK/dV kernel adds each tile's
+    dS K into an fp32 dQ with atomics and no dQ kernel is generated or launched; every gradient
+    still matches float64 — two score tiles over halves of q (DiffAttn), GQA, block sparsity,
+    biases, a gathered table, sinks, head-dim pieces (D=80), and q read as k too."""
+    from flashlight.runtime.op import REGISTRY
+    monkeypatch.setenv("FLASHLIGHT_ATOMIC_DQ", "1")
+    REGISTRY.clear()        # regions compiled before generated their backward without it
+    torch.compiler.reset()
+    mod = VARIANTS[name]
+    try:
+        check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=37, D=D))
+        if name == "causal" and D == 16:
+            x, v = torch.randn(1, 2, 45, 32), torch.randn(1, 2, 45, 32)
+            check_grads(lambda x, v: torch.softmax(x @ x.mT * 0.2, -1) @ v, (x, v))
+        kernels = [c.bwd_kernel for c in REGISTRY.values() if c.bwd_kernel]
+        assert kernels and all(k.plan.fused_dq and k.dq is None and "dq" not in k.needed_kernels(None)
+                               for k in kernels)
+        assert all("_dq(" not in c.bwd_source for c in REGISTRY.values() if c.bwd_kernel)
+    finally:
+        REGISTRY.clear()        # later tests get regions with the default backward
+        torch.compiler.reset()

@@ -61,6 +61,20 @@ def check_against_float64(mod, inputs, out, grads, dout):
         assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))
 
 
+@pytest.mark.parametrize("name,D", [("causal", 128), ("document_mask", 64), ("diff_attention", 64), ("gqa", 128)])
+def test_fused_dq_bf16(name, D, monkeypatch):
+    """``FLASHLIGHT_ATOMIC_DQ=1``: the dK/dV kernel adds dQ with fp32 atomics, no dQ kernel."""
+    monkeypatch.setenv("FLASHLIGHT_ATOMIC_DQ", "1")
+    REGISTRY.clear()
+    torch.compiler.reset()
+    try:
+        check_bf16(name, D)
+        assert all(c.bwd_kernel.plan.fused_dq for c in REGISTRY.values() if c.bwd_kernel)
+    finally:
+        REGISTRY.clear()        # later tests get regions with the default backward
+        torch.compiler.reset()
+
+
 def test_fast_launch_recompiles_for_a_misaligned_view():
     """The same compiled region called on an aligned q, then on a view 2 bytes into its storage:
     the launcher's key sends the second through Triton (another specialisation), and both agree

@@ -551,7 +551,33 @@ class DKDVWriter(TileWriter):
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
         scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored, "mask_mn")  # (reductions read: constant shifts)
         self.score_grads(loop, adjoints, operands)
+        if self.plan.fused_dq:
+            self.add_dq(loop, adjoints, operands)
         return loop.lines
+
+    def add_dq(self, loop: Block, adjoints: dict[Expr, Expr], operands: dict[int, tuple]) -> None:
+        """The fused dQ (``GradPlan.fused_dq``): this tile's dQ_i = dS_i K_i ([M, DK], from the
+        transposed dS^T score_grads left, times the constant it folded out for dK), summed over
+        the score tiles that share a Q operand and added into the fp32 gradient per head-dim
+        piece. dS and K are already in registers; the atomics add one [BLOCK_M, DK] tile per
+        (query block, key block) instead of a dQ kernel's second pass over S, P and dP."""
+        folded = self.folded_scales("dk")
+        tiles: dict[Expr, list[list[str]]] = {}
+        for i in self.plan.dots:
+            if dot(i) not in adjoints or self.r.dots[i].q not in self.plan.accs["dq"]:
+                continue
+            c = const_factor(adjoints[dot(i)])[1] if self.r.dots[i].k in folded else 1.0
+            names = []
+            for piece, (_, _, k, kdt) in enumerate(operands[i]):
+                ds = "tl.trans(" + self.cast(f"ds{i}", kdt) + ")"
+                scale = f" * {c!r}" if c != 1.0 else ""
+                loop.lines.append(f"dqt{i}_{piece} = {self.tl_dot(ds, k, kdt)}{scale}")
+                names.append(f"dqt{i}_{piece}")
+            tiles.setdefault(self.r.dots[i].q, []).append(names)
+        for a, (e, per_dot) in enumerate(tiles.items()):
+            for piece, ctx in enumerate(self.piece_ctxs("dq", CTX_Q)):
+                loop.lines.append(f"dqs{a}_{piece} = {' + '.join(names[piece] for names in per_dot)}")
+                scatter(self.em, vjp({e: tile(f"dqs{a}_{piece}")}), ctx, loop, self.plan.stored)
 
     def predicates(self) -> tuple:
         """The forward's dead predicate (a tile it holds is skipped) and the bodies' full
@@ -667,16 +693,20 @@ class KernelStats(NamedTuple):
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
-                      sparse: bool = True) -> tuple[str, KernelStats]:
+                      sparse: bool = True, fused_dq: bool = False) -> tuple[str, KernelStats]:
     """Triton source of the backward kernels — ``name_rows`` (row gradients, launched first),
-    ``name`` (dK, dV and the body loads' gradients) and ``name_dq`` — and the per-block
-    statistics of the two tile kernels; raises CodegenError (the reason) when the region needs
-    the reference backward."""
+    ``name`` (dK, dV and the body loads' gradients) and ``name_dq`` (none with ``fused_dq``: the
+    dK/dV kernel adds dQ, ``GradPlan.fused_dq``) — and the per-block statistics of the tile
+    kernels; raises CodegenError (the reason) when the region needs the reference backward."""
     reason = backward_support(region)
     if reason:
         raise CodegenError(reason)
-    plan = grad_plan(region)
+    plan = grad_plan(region, fused_dq)
     kv = DKDVWriter(region, plan, name, allow_tf32, interpret, sparse)
-    dq = DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
-    source = f"{kv.write()}\n\n{dq.write()}" + row_gradient_kernel(region, plan, f"{name}_rows", kv.dg)
-    return prelude(source) + source, KernelStats(kv.stats, dq.stats, kv.dg, kv.em.tma, dq.em.tma)
+    source = kv.write()
+    dq = None if fused_dq else DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
+    if dq is not None:
+        source += f"\n\n{dq.write()}"
+    source += row_gradient_kernel(region, plan, f"{name}_rows", kv.dg)
+    return prelude(source) + source, KernelStats(kv.stats, dq.stats if dq else [], kv.dg, kv.em.tma,
+                                                 dq.em.tma if dq else {})

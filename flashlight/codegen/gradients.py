@@ -41,12 +41,16 @@ class GradPlan:
         accs: ``"dq"``/``"dk"``/``"dv"`` -> the Q / K / V operand expressions whose gradients
             accumulate in registers (one accumulator per distinct expression).
         sites: every gradient write; ``stored``: inputs written by ``tl.store`` (see module doc).
+        fused_dq: the dK/dV kernel also adds each tile's dS K into dQ with fp32 atomics (cuDNN's
+            and FA3's backward), so S, P and dP are computed once per tile, not again by a dQ
+            kernel; the Q operands' gradients are then per-tile sites of the dK/dV kernel.
     """
     members: list[int]
     dots: list[int]
     accs: dict[str, list[Expr]]
     sites: list[Site] = field(default_factory=list)
     stored: frozenset[int] = frozenset()
+    fused_dq: bool = False      # dQ added by the dK/dV kernel per tile (fp32 atomics): no dQ kernel
 
     def written(self, kernel: str | None = None) -> list[int]:
         """Inputs whose gradient ``kernel`` (any kernel: None) writes: its ``g`` arguments."""
@@ -72,8 +76,8 @@ def _distinct(exprs) -> list[Expr]:
     return list(dict.fromkeys(exprs))
 
 
-def grad_plan(region: Region) -> GradPlan:
-    """The plan of a region ``backward_support`` accepts."""
+def grad_plan(region: Region, fused_dq: bool = False) -> GradPlan:
+    """The plan of a region ``backward_support`` accepts (``fused_dq``: see ``GradPlan``)."""
     row_adj = vjp({region.out: tile("do")})
     members = [j for j, rd in enumerate(region.reductions) if rd.kind != "max" and red(j) in row_adj]
     bodies = {region.reductions[j].body: tile("db") for j in members}
@@ -83,13 +87,14 @@ def grad_plan(region: Region) -> GradPlan:
     accs = {"dq": _distinct(region.dots[i].q for i in grad_dots),
             "dk": _distinct(region.dots[i].k for i in grad_dots),
             "dv": _distinct(region.reductions[j].v for j in members if region.reductions[j].kind == "dot")}
-    plan = GradPlan(members, dots, accs)
+    plan = GradPlan(members, dots, accs, fused_dq=fused_dq)
     plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
     plan.sites += [Site(x.args[0], x, "row", "rows", True) for x in loads(vjp(extra_seeds(region, members)))]
     plan.sites += [Site(x.args[0], x, "s", "dkdv", False) for x in loads(body_adj)]
-    for kind, ctx, kernel in (("dk", "k", "dkdv"), ("dv", "v", "dkdv"), ("dq", "q", "dq")):
+    dq_site = ("dkdv", False) if fused_dq else ("dq", True)
+    for kind, ctx, (kernel, once) in (("dk", "k", ("dkdv", True)), ("dv", "v", ("dkdv", True)), ("dq", "q", dq_site)):
         for e in accs[kind]:
-            plan.sites += [Site(x.args[0], x, ctx, kernel, True) for x in loads(vjp({e: tile("g")}))]
+            plan.sites += [Site(x.args[0], x, ctx, kernel, once) for x in loads(vjp({e: tile("g")}))]
     by_input: dict[int, list[Site]] = {}
     for s in plan.sites:
         by_input.setdefault(s.input, []).append(s)

@@ -26,6 +26,13 @@ from .buffers import unwritten
 from .cache import load_module, source_hash
 
 
+def fused_dq() -> bool:
+    """``FLASHLIGHT_ATOMIC_DQ=1``: backward kernels generated from now on add dQ in the dK/dV
+    kernel with fp32 atomics (``GradPlan.fused_dq``) instead of a dQ kernel. Off by default until
+    measured on the GPU (docs/notes.md, session 18)."""
+    return os.environ.get("FLASHLIGHT_ATOMIC_DQ", "0") == "1"
+
+
 @dataclass
 class BackwardKernels:
     region: Region
@@ -55,10 +62,12 @@ class BackwardKernels:
     TILES = ("dkdv", "dq")
 
     def needed_kernels(self, needed) -> tuple[str, ...]:
-        """The tile kernels that write a gradient in ``needed`` (a flag per input; None: all)."""
+        """The tile kernels that write a gradient in ``needed`` (a flag per input; None: all
+        there are: no dQ kernel where the dK/dV kernel adds dQ, ``GradPlan.fused_dq``)."""
+        tiles = tuple(kernel for kernel in self.TILES if kernel != "dq" or not self.plan.fused_dq)
         if needed is None:
-            return self.TILES
-        return tuple(kernel for kernel in self.TILES if any(needed[i] for i in self.writes[kernel]))
+            return tiles
+        return tuple(kernel for kernel in tiles if any(needed[i] for i in self.writes[kernel]))
 
     def buffers(self, inputs: list[torch.Tensor], kernels: str | tuple[str, ...] = TILES,
                 device: str | None = None) -> dict[int, torch.Tensor]:
@@ -169,7 +178,7 @@ class BackwardKernels:
         drow, ddot = self.row_outputs(rowstats, device="meta")
         jobs = {"rows": (self.rows, *self.meta("rows", configs["rows"]),
                          self.rows_args(inputs, rowstats, out, out, bufs, drow, ddot))}
-        for kernel in ("dkdv", "dq"):
+        for kernel in self.needed_kernels(None):
             fn, grid, meta, _ = self.tile_launch(kernel, inputs, configs[kernel])
             jobs[kernel] = (fn, grid, meta, self.tile_args(kernel, inputs, rowstats, (drow, ddot), bufs, block_stats))
         return {kernel: background.submit(_compat.warm, inputs[0].device, fn, grid, args, meta)
@@ -235,6 +244,8 @@ class BackwardKernels:
 
     @functools.cached_property
     def gluon_tiles_unsupported(self) -> str:
+        if self.plan.fused_dq:
+            return "the dK/dV kernel adds dQ (FLASHLIGHT_ATOMIC_DQ): the Gluon one does not"
         return tiles_support(self.region)
 
     @functools.cached_property

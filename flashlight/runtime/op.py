@@ -35,7 +35,7 @@ from ..sparsity import STAT_BLOCK, dead_predicate, useful
 from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, rows_config, smaller)
 from . import background, decode, descriptors, gluon
-from .backward import BackwardKernels
+from .backward import BackwardKernels, fused_dq
 from .buffers import unwritten
 from .cache import load_module, source_hash
 from .quick import OWN_COMPILED, QuickStart, compile_own_for, compile_quick, quick_wanted  # noqa: F401
@@ -613,8 +613,9 @@ def compile_backward(c: CompiledRegion) -> None:
     placeholder = "fl_bwd"
     c.bwd_compiled = True
     try:
+        fused = fused_dq()
         source, stats = generate_backward(c.region, placeholder, interpret=interpreting(),
-                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=fused)
     except CodegenError as e:
         c.bwd_reason = str(e)
         return
@@ -622,7 +623,8 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and its _dq, _rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
-    c.bwd_kernel = BackwardKernels(c.region, grad_plan(c.region), stats, kernel("_rows"), kernel(""), kernel("_dq"))
+    c.bwd_kernel = BackwardKernels(c.region, grad_plan(c.region, fused), stats, kernel("_rows"), kernel(""),
+                                   None if fused else kernel("_dq"))
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())
