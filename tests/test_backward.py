@@ -716,3 +716,25 @@ def test_fused_dq_adds_dq_in_the_dkdv_kernel(name, D, monkeypatch):
     finally:
         REGISTRY.clear()        # later tests get regions with the default backward
         torch.compiler.reset()
+
+
+@pytest.mark.parametrize("v_norm", ["rms", "l2"])
+def test_operands_that_divide_by_a_loaded_norm_stay_finite_in_padding(v_norm):
+    """QK-norm with a learned scale (``q / q.norm()``, k likewise) and a normalised V: the
+    operand tiles divide by a loaded norm, which reads 0 in the rows past M or N that pad the
+    last block, and 0 / 0 there reached the products (NaN times the zero it meets is NaN):
+    every gradient of q and k was NaN (found by a review), and with ``v / v.norm()`` the
+    forward's output was NaN too. Lengths that are not whole blocks."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 37, 32), torch.randn(1, 2, 45, 32), torch.randn(1, 2, 45, 32)
+    scale = torch.tensor(4.0)
+
+    def qk_norm(q, k, v, scale):
+        qn, kn = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        vn = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) if v_norm == "rms" else \
+            v / v.norm(dim=-1, keepdim=True)
+        return torch.softmax(qn @ kn.mT * scale, -1) @ vn
+    torch.compiler.reset()
+    out = torch.compile(qk_norm, backend="flashlight")(q, k, v, scale)
+    assert rel_error(out.double(), qk_norm(q.double(), k.double(), v.double(), scale.double())) < 1e-5
+    check_grads(qk_norm, (q, k, v, scale))

@@ -175,6 +175,19 @@ def full_tile(val: str, e: Expr, ctx: Ctx, region: Region) -> str:
     return f"tl.broadcast_to({val}, {shape})"
 
 
+def finite_at_zero(e: Expr) -> bool:
+    """Is ``e`` finite wherever its loads read 0 (the padding past M or N that a bounds mask
+    loads as 0)? A tl.dot operand that is not (a division by a loaded norm, a log, a reciprocal
+    square root) is zeroed there: a non-finite padded row times the zero it meets in the other
+    operand is NaN, and the product's every element with it. Conservative: any such op counts."""
+    for x in walk(e):
+        if x.op == "div" and not (x.args[1].op == "const" and x.args[1].args[0] != 0):
+            return False
+        if x.op in ("log", "log2", "rsqrt", "reciprocal", "pow", "floordiv", "mod"):
+            return False
+    return True
+
+
 def operand_dtype(e: Expr, region: Region, interpret: bool) -> torch.dtype:
     """Tensor-core operand type of a dot operand: that of the tensor it reads (fp32 otherwise).
     Triton 3.6's interpreter computes bf16 dots wrongly, so there bf16 operands go as fp32."""
@@ -233,7 +246,12 @@ class KernelWriter:
         else:
             val = self.em.emit(e, ctx, block)
             val = val if dt == torch.float32 else f"{val}.to({TL_DTYPE[dt]})"
-        return full_tile(val, e, ctx, self.r), dt
+        val = full_tile(val, e, ctx, self.r)
+        rows, cols, _ = TILE[ctx.name]
+        mask = ctx.mask(rows, cols)
+        if mask and not finite_at_zero(e):      # padding reads 0: q / q.norm() is 0 / 0 there
+            val = f"tl.where({mask}, {val}, 0.0)"
+        return val, dt
 
     def score_dot(self, i: int, q_ctx: Ctx, k_ctx: Ctx, block: Block, transposed: bool = False,
                   acc: str | None = None) -> tuple[str, torch.dtype, str, torch.dtype]:
