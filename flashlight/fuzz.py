@@ -96,6 +96,10 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             v = v[:, :, None].expand(B, Hkv, H, N, Dv).reshape(B, H, N, Dv)
         elif gqa == "repeat_interleave":
             k, v = k.repeat_interleave(H, dim=1), v.repeat_interleave(H, dim=1)
+        if norm != "none":                  # QK-norm: operands that divide by a loaded norm
+            q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+            if norm == "qkv":
+                v = v / v.norm(dim=-1, keepdim=True)
         scale = D ** -0.5
         if scale_at == "q":
             q = q * scale
@@ -190,10 +194,11 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     checkpointed = rng.random() < 0.15
     # or only q's (exact) scaling by 1 under a checkpoint, the attention between checkpoints
     around = not checkpointed and rng.random() < 0.15
+    norm = rng.choice(["none"] * 8 + ["qk", "qkv"])      # drawn last, likewise
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
-            f"sdpa={sdpa} checkpointed={checkpointed} around={around}")
+            f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program
