@@ -1,4 +1,5 @@
 """Rewrite rules on the IR: each rule fires where its algebra holds, and declines elsewhere."""
+import pytest
 import torch
 
 from flashlight.ir import Reduction, call, const, dot, red, var, walk
@@ -200,6 +201,27 @@ def test_a_constant_factor_of_q_moves_onto_the_product():
     q_, k_, v_ = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
     want = torch.softmax((0.5 * q_) @ (k_ / 4).mT, -1) @ v_
     assert torch.allclose(evaluate(r, [q_, k_, v_]), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("scores", ["times 8", "over 0.5", "times a learned scale"])
+def test_base2_folds_log2e_into_a_large_scale_of_the_product(scores):
+    """QK-norm's logit scale (8, or a learned per-head value) and a temperature below log2(e)
+    (s / 0.5) scale the product by more than 1 / log2(e): folding log2(e) into them overflows
+    only where eager's own score is within log2(e) of FLT_MAX, the ``dot`` row's argument. They
+    went to base e before (exp, and no Gluon forward); same values."""
+    r = softmax_region()
+    if scores == "times a learned scale":
+        r.inputs.append(Input("scale", (2,), torch.float32))
+        s = call("mul", dot(0), load(3, (var("b0"),), "f"))
+    else:
+        s = call("mul", dot(0), const(8.0)) if scores == "times 8" else call("div", dot(0), const(0.5))
+    r.reductions = [Reduction("max", s), Reduction("sum", call("exp", call("sub", s, red(0)))),
+                    Reduction("dot", call("exp", call("sub", s, red(0))), r.reductions[2].v)]
+    got = rewrite(r)
+    assert got.reductions[0].base2
+    q, k, v, c = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4), 4 + torch.rand(2)
+    args = [q, k, v, c] if scores == "times a learned scale" else [q, k, v]
+    assert torch.allclose(evaluate(got, args), evaluate(r, args), atol=1e-6)
 
 
 def test_base2_keeps_a_finite_fill_finite_and_rows_it_fills_uniform():

@@ -236,12 +236,16 @@ def per_program(e: Expr) -> bool:
 
 
 def _fold_mul(e: Expr) -> Expr | None:
+    """``x * c`` in log2 units: ``x * (c log2(e))`` where that cannot overflow where ``x * c``
+    did not — c's own factor at most 1, or x bounded — or could only where ``x * c`` is already
+    within log2(e) of FLT_MAX: a product times any constant or per-program scale (QK-norm's
+    learned logit scale, a temperature below 1.44), as the ``dot`` row argues."""
     for x, c in (e.args, e.args[::-1]):
         if c.op == "const" and c.kind == "f" and (abs(c.args[0] * LOG2E) <= 1 or
-                                                  (x.op in BOUNDED and abs(c.args[0] * LOG2E) <= FLT_MAX)):
+                                                  (x.op in BOUNDED | {"dot"} and abs(c.args[0] * LOG2E) <= FLT_MAX)):
             return call("mul", x, const(c.args[0] * LOG2E))
     for x, c in (e.args, e.args[::-1]):
-        if c.op != "const" and per_program(c) and _index_valued(x):     # scaled once per program
+        if c.op != "const" and per_program(c) and (_index_valued(x) or x.op == "dot"):   # scaled once per program
             return call("mul", x, call("mul", c, const(LOG2E)))
     return None
 
@@ -256,9 +260,11 @@ def _index_valued(x: Expr) -> bool:
 
 
 def _fold_div(e: Expr) -> Expr | None:
-    c = e.args[1]
-    if c.op == "const" and c.args[0] and abs(LOG2E / c.args[0]) <= 1:
-        return call("mul", e.args[0], const(LOG2E / c.args[0]))
+    """``x / c`` for a constant c, as ``x * (log2(e) / c)`` on the terms of ``_fold_mul``."""
+    x, c = e.args
+    if c.op == "const" and c.args[0] and (abs(LOG2E / c.args[0]) <= 1 or
+                                          (x.op in BOUNDED | {"dot"} and abs(LOG2E / c.args[0]) <= FLT_MAX)):
+        return call("mul", x, const(LOG2E / c.args[0]))
     return None
 
 
