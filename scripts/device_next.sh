@@ -1,9 +1,10 @@
 # Session 19's plan (written in session 18, after its GPU run; docs/notes.md "Session 18"):
-#   N (~9.5 min): the GPU tests (the autocast test now reads the narrowed q, k, v; a fused-dQ
-#     case), then issue #5's training table with the dK/dV kernel adding dQ by fp32 atomics
+#   N1 (~7.5 min): the GPU tests (the autocast test now reads the narrowed q, k, v; four fused-dQ
+#     cases), then issue #5's training table with the dK/dV kernel adding dQ by fp32 atomics
 #     (FLASHLIGHT_ATOMIC_DQ=1, flashlight_b) against the two-kernel default, same call: the lead
 #     for ALiBi and the document mask at D=128 (1.09x / 1.08x Flex, target 1.1) and DiffAttn
-#     (0.86x / 0.91x Inductor). Then every dK/dV config of the fused kernel at D=128 (offline
+#     (0.86x / 0.91x Inductor).
+#   N2 (~3.5 min, chained at once): every dK/dV config of the fused kernel at D=128 (offline
 #     sm_90 compiles spill 36-268 bytes) and the rows kernel's configs, against float64.
 # The plan before it (written in sessions 15 and 16, which had no device). One part per `run`
 # call, from the repository root: `bash scripts/device_next.sh S1` (the machine stays warm 30 s
@@ -58,13 +59,15 @@ G)  # the GPU tests alone (~4 min)
   timeout -k 10 220 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -12 $OUT/test_gpu.txt | cut -c1-300
   ;;
-N)  # session 19 (plan above)
-  timeout -k 10 200 python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
+N1)  # session 19 (plan above)
+  timeout -k 10 260 python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
     | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
   timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flashlight_b,flex,inductor \
     --b-env FLASHLIGHT_ATOMIC_DQ=1 --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training (flashlight_b: fused dQ) rc $?"; tail -11 $OUT/training.txt | cut -c1-170
-  FLASHLIGHT_ATOMIC_DQ=1 timeout -k 10 120 python3 -m benchmarks.backward_configs --variants alibi,document_mask \
+  ;;
+N2)
+  FLASHLIGHT_ATOMIC_DQ=1 timeout -k 10 140 python3 -m benchmarks.backward_configs --variants alibi,document_mask \
     --d 128 --kernels dkdv --out $OUT/fused 2>&1 | nogrep | tee $OUT/fused_configs.txt | cut -c1-150 | tail -24
   timeout -k 10 60 python3 -m benchmarks.backward_configs --variants alibi,document_mask --d 128 --kernels rows \
     --out $OUT 2>&1 | nogrep | tee $OUT/rows_configs.txt | cut -c1-150 | tail -12
