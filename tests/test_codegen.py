@@ -103,3 +103,26 @@ def test_masked_head_and_tail_share_one_loop():
     assert src.count("\n    for start_n in range(") == 1 and src.count("\n    for i") == 1
     bwd = rep.regions[0].backward_source
     assert bwd.count("for start_m in range(") == 1 and bwd.count("for start_n in range(") == 1
+
+
+def test_only_operands_that_can_blow_up_at_zero_are_masked():
+    """A tl.dot operand computed in the kernel is zeroed past its tile's bounds only where a
+    zero load can make it non-finite (``kernel.finite_at_zero``): q / q.norm() is, q * 0.125
+    (SDPA's scaling split onto q and k) and a bare load are not, and keep their one multiply."""
+    from flashlight.codegen.kernel import finite_at_zero
+    from flashlight.ir import load
+    q = load(0, (var("b0"), var("m"), var("dk")), "f")
+    norm = load(1, (var("b0"), var("m")), "f")
+    assert finite_at_zero(q) and finite_at_zero(call("mul", q, const(0.125)))
+    assert finite_at_zero(call("div", q, const(8.0)))
+    assert not finite_at_zero(call("div", q, norm)) and not finite_at_zero(call("mul", q, call("rsqrt", norm)))
+    from flashlight.ir.region import Dot, Input
+
+    def score_line(scale_q):
+        r = softmax_region()
+        r.inputs.append(Input("norm", (2, 5), torch.float32))
+        r.dots[0] = Dot(scale_q(r.dots[0].q), r.dots[0].k)
+        source, *_ = generate(rewrite(r), "fl_test", interpret=True)
+        return next(line for line in source.splitlines() if "qk0 = tl.dot(" in line)
+    assert "tl.where(mask_m" not in score_line(lambda x: call("mul", x, const(0.125)))
+    assert "tl.where(mask_m" in score_line(lambda x: call("div", x, load(3, (var("b0"), var("m")), "f")))
