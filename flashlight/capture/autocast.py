@@ -83,7 +83,7 @@ def _rerun(graph: fx.Graph, n: fx.Node, state: dict, movable: bool) -> bool:
     inputs to its result's dtype where they differ (``_cast``; at the start of their moves where
     ``movable``); ``n.meta["val"]`` takes the new value."""
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda x: x.meta.get("val"))
-    if n.target is operator.getitem or n.target in CASTS or n.target._schema.is_mutable:
+    if n.target is operator.getitem or n.target in CASTS or _mutates(n):
         with contextlib.suppress(Exception):       # the value as it stands, on the new inputs
             n.meta["val"] = n.target(*args, **kwargs)
         return False

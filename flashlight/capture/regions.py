@@ -205,11 +205,14 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
                                       "product, and at equal values the result would flip", contraction)
 
 
+CASTS_AND_MOVES = CASTS | MOVES
+
+
 def _source(n: fx.Node) -> fx.Node:
     """The tensor that ``n`` casts or moves (``autocast.CASTS``, ``autocast.MOVES``), through any
     number of them: a product's narrowed operand is a leaf of its own (``rules._cast``), and
     autocast narrows each product's operands by casts of their own."""
-    while n.op == "call_function" and n.target in CASTS | MOVES and n.args and isinstance(n.args[0], fx.Node):
+    while n.op == "call_function" and n.target in CASTS_AND_MOVES and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n
 

@@ -684,12 +684,13 @@ class DQWriter(TileWriter):
 class KernelStats(NamedTuple):
     """The per-block statistics each tile kernel's sparsity scan reads (``sparsity.BlockStat``),
     the layout of the P @ V products' row gradients, and the inputs each tile kernel's tensor
-    descriptors read (``Emitter.tma``)."""
+    descriptors read (``Emitter.tma``), and the gradient plan the kernels follow."""
     dkdv: list[BlockStat]
     dq: list[BlockStat]
     dot_grads: DotGrads
     tma_dkdv: dict[int, set[int]]
     tma_dq: dict[int, set[int]]
+    plan: GradPlan
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
@@ -709,4 +710,4 @@ def generate_backward(region: Region, name: str, allow_tf32: bool = False, inter
         source += f"\n\n{dq.write()}"
     source += row_gradient_kernel(region, plan, f"{name}_rows", kv.dg)
     return prelude(source) + source, KernelStats(kv.stats, dq.stats if dq else [], kv.dg, kv.em.tma,
-                                                 dq.em.tma if dq else {})
+                                                 dq.em.tma if dq else {}, plan)

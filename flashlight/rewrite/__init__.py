@@ -236,18 +236,24 @@ def per_program(e: Expr) -> bool:
 
 
 def _fold_mul(e: Expr) -> Expr | None:
-    """``x * c`` in log2 units: ``x * (c log2(e))`` where that cannot overflow where ``x * c``
-    did not — c's own factor at most 1, or x bounded — or could only where ``x * c`` is already
-    within log2(e) of FLT_MAX: a product times any constant or per-program scale (QK-norm's
-    learned logit scale, a temperature below 1.44), as the ``dot`` row argues."""
+    """``x * c`` in log2 units: ``x * (c log2(e))`` where ``_foldable``, or a per-program scale
+    c times an index-valued x or a product (QK-norm's learned logit scale)."""
     for x, c in (e.args, e.args[::-1]):
-        if c.op == "const" and c.kind == "f" and (abs(c.args[0] * LOG2E) <= 1 or
-                                                  (x.op in BOUNDED | {"dot"} and abs(c.args[0] * LOG2E) <= FLT_MAX)):
+        if c.op == "const" and c.kind == "f" and _foldable(x, c.args[0] * LOG2E):
             return call("mul", x, const(c.args[0] * LOG2E))
     for x, c in (e.args, e.args[::-1]):
         if c.op != "const" and per_program(c) and (_index_valued(x) or x.op == "dot"):   # scaled once per program
             return call("mul", x, call("mul", c, const(LOG2E)))
     return None
+
+
+def _foldable(x: Expr, factor: float) -> bool:
+    """May ``x`` times a constant take the constant times log2(e), ``factor``, instead? Where
+    that cannot overflow where the program's product did not: a factor of at most 1, or a
+    bounded x; or could only where the program's product is already within log2(e) of FLT_MAX:
+    a product times any constant (a temperature below 1.44, QK-norm's logit scale), as the
+    ``dot`` row argues."""
+    return abs(factor) <= 1 or (x.op in BOUNDED | {"dot"} and abs(factor) <= FLT_MAX)
 
 
 def _index_valued(x: Expr) -> bool:
@@ -260,10 +266,9 @@ def _index_valued(x: Expr) -> bool:
 
 
 def _fold_div(e: Expr) -> Expr | None:
-    """``x / c`` for a constant c, as ``x * (log2(e) / c)`` on the terms of ``_fold_mul``."""
+    """``x / c`` for a constant c, as ``x * (log2(e) / c)`` where ``_foldable``."""
     x, c = e.args
-    if c.op == "const" and c.args[0] and (abs(LOG2E / c.args[0]) <= 1 or
-                                          (x.op in BOUNDED | {"dot"} and abs(LOG2E / c.args[0]) <= FLT_MAX)):
+    if c.op == "const" and c.args[0] and _foldable(x, LOG2E / c.args[0]):
         return call("mul", x, const(LOG2E / c.args[0]))
     return None
 

@@ -61,13 +61,17 @@ class BackwardKernels:
 
     TILES = ("dkdv", "dq")
 
+    @functools.cached_property
+    def tiles(self) -> tuple[str, ...]:
+        """The tile kernels there are: no dQ kernel where the dK/dV kernel adds dQ
+        (``GradPlan.fused_dq``)."""
+        return ("dkdv",) if self.plan.fused_dq else self.TILES
+
     def needed_kernels(self, needed) -> tuple[str, ...]:
-        """The tile kernels that write a gradient in ``needed`` (a flag per input; None: all
-        there are: no dQ kernel where the dK/dV kernel adds dQ, ``GradPlan.fused_dq``)."""
-        tiles = tuple(kernel for kernel in self.TILES if kernel != "dq" or not self.plan.fused_dq)
+        """The tile kernels that write a gradient in ``needed`` (a flag per input; None: all)."""
         if needed is None:
-            return tiles
-        return tuple(kernel for kernel in tiles if any(needed[i] for i in self.writes[kernel]))
+            return self.tiles
+        return tuple(kernel for kernel in self.tiles if any(needed[i] for i in self.writes[kernel]))
 
     def buffers(self, inputs: list[torch.Tensor], kernels: str | tuple[str, ...] = TILES,
                 device: str | None = None) -> dict[int, torch.Tensor]:

@@ -27,7 +27,6 @@ from triton.runtime.errors import OutOfResources
 from .._compat import fast_launch, with_scratch
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
-from ..codegen.gradients import grad_plan
 from ..ir import Region
 from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import from_output, rowstat_columns
@@ -613,9 +612,8 @@ def compile_backward(c: CompiledRegion) -> None:
     placeholder = "fl_bwd"
     c.bwd_compiled = True
     try:
-        fused = fused_dq()
         source, stats = generate_backward(c.region, placeholder, interpret=interpreting(),
-                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=fused)
+                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=fused_dq())
     except CodegenError as e:
         c.bwd_reason = str(e)
         return
@@ -623,8 +621,8 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and its _dq, _rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
-    c.bwd_kernel = BackwardKernels(c.region, grad_plan(c.region, fused), stats, kernel("_rows"), kernel(""),
-                                   None if fused else kernel("_dq"))
+    c.bwd_kernel = BackwardKernels(c.region, stats.plan, stats, kernel("_rows"), kernel(""),
+                                   None if stats.plan.fused_dq else kernel("_dq"))
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())
