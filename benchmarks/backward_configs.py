@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from flashlight.examples import VARIANTS  # noqa: E402
 from flashlight.runtime import op as rt  # noqa: E402
 from flashlight.testing import rel_error  # noqa: E402
-from flashlight.tune import INTERPRETER, Config, backward_candidates, head_block, rows_config  # noqa: E402
+from flashlight.tune import INTERPRETER, Config, backward_candidates, head_block, ROWS  # noqa: E402
 
 from .configs import parse_config  # noqa: E402
 from .smoke import configure_dynamo  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> None:
         refs = float64_grads(mod, inputs, grad)
         k = c.backward_kernels()
         block_d = max(head_block(c.region.DK), head_block(c.region.DV))
-        row_default = rows_config(head_block(c.region.DV)) if cuda else INTERPRETER
+        row_default = ROWS if cuda else INTERPRETER
         launches = {"rows": lambda drows, bufs, cfg: k.launch_rows(tensors, rowstats, out, grad, bufs, cfg),
                     "dkdv": lambda drows, bufs, cfg: k.launch_dkdv(tensors, rowstats, drows, bufs, {}, cfg),
                     "dq": lambda drows, bufs, cfg: k.launch_dq(tensors, rowstats, drows, bufs, {}, cfg)}

@@ -34,7 +34,7 @@ from flashlight.runtime import gluon
 from flashlight.runtime import op as rt
 from flashlight.runtime.backward import compile_gluon_tile
 from flashlight.runtime.quick import compile_quick
-from flashlight.tune import cdiv, head_block, rows_config
+from flashlight.tune import ROWS, cdiv, head_block
 
 from .configs import parse_config
 
@@ -81,7 +81,7 @@ def capture(mod, b: int, h: int, n: int, d: int):
 
 def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     """kernel name -> (JIT function, args, meta) of each launch of one forward and backward."""
-    cfg = {"fwd": c.default_config("fwd"), "rows": rows_config(head_block(c.region.DV)),
+    cfg = {"fwd": c.default_config("fwd"), "rows": ROWS,
            "dkdv": c.default_config("dkdv"), "dq": c.default_config("dq")}
     cfg.update(configs)
     fwd = Recorder(c.kernel.fn)

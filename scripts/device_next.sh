@@ -66,6 +66,15 @@ N1)  # session 19 (plan above)
     --b-env FLASHLIGHT_ATOMIC_DQ=1 --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training (flashlight_b: fused dQ) rc $?"; tail -11 $OUT/training.txt | cut -c1-170
   ;;
+N3)  # session 19: the GPU tests N1's time limit cut (from the Gluon tile kernels' prefix-LM case on),
+    # then the training table with the row kernel's new config (32 rows)
+  timeout -k 10 250 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
+    -k "prefix_lm-128 or causal-128-200 or causal-128-256 or quick_start or first_forward or reduce_overhead or autocast" \
+    2>&1 | tee $OUT/test_gpu.txt | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|s call" | cut -c1-140
+  timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -11 $OUT/training.txt | cut -c1-170
+  ;;
 N2)
   FLASHLIGHT_ATOMIC_DQ=1 timeout -k 10 140 python3 -m benchmarks.backward_configs --variants alibi,document_mask \
     --d 128 --kernels dkdv --out $OUT/fused 2>&1 | nogrep | tee $OUT/fused_configs.txt | cut -c1-150 | tail -24

@@ -701,7 +701,7 @@ def test_fused_dq_adds_dq_in_the_dkdv_kernel(name, D, monkeypatch):
     biases, a gathered table, sinks, head-dim pieces (D=80), and q read as k too."""
     from flashlight.runtime.op import REGISTRY
     monkeypatch.setenv("FLASHLIGHT_ATOMIC_DQ", "1")
-    REGISTRY.clear()        # regions compiled before generated their backward without it
+    REGISTRY.clear()        # this test's regions alone (the option is part of the registry key)
     torch.compiler.reset()
     mod = VARIANTS[name]
     try:

@@ -31,8 +31,8 @@ from ..ir import Region
 from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, useful
-from ..tune import (INTERPRETER, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
-                    cdiv, head_block, heuristic, pow2, rows_config, smaller)
+from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
+                    cdiv, head_block, heuristic, pow2, smaller)
 from . import background, decode, descriptors, gluon
 from .backward import BackwardKernels, fused_dq
 from .buffers import unwritten
@@ -73,6 +73,7 @@ class CompiledRegion:
     quick: QuickStart | bool | None = None      # the first calls' kernel (None: not decided; False: none)
     bwd_prefetch: dict | None = None  # kernel -> its background compile (None: not started)
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
+    fused_dq: bool = False           # its backward adds dQ in the dK/dV kernel (FLASHLIGHT_ATOMIC_DQ, read once)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -383,12 +384,7 @@ class CompiledRegion:
                 future.exception()
 
     def rows_config(self, inputs: list[torch.Tensor]) -> Config:
-        return self.gpu_rows_config if inputs[0].is_cuda and not interpreting() else INTERPRETER
-
-    @functools.cached_property
-    def gpu_rows_config(self) -> Config:
-        """The row-gradient kernel's GPU config (fixed per entry: read on every backward)."""
-        return rows_config(head_block(self.region.DV))
+        return ROWS if inputs[0].is_cuda and not interpreting() else INTERPRETER
 
     def backward_kernels(self) -> BackwardKernels | None:
         """The generated backward, compiled at first use (~0.1 s of a first call that inference
@@ -567,13 +563,16 @@ def compile_region(region: Region) -> CompiledRegion:
                                   interpret=interpreting())
     name = f"fl_fwd_{source_hash(source)}"
     source = source.replace(f"def {placeholder}(", f"def {name}(")
-    # one kernel per source (shared by all lengths); one registry entry per region and sizes
-    key = f"{name}_{source_hash(str(region))}"
+    # one kernel per source (shared by all lengths); one registry entry per region and sizes, and
+    # per backward option (an A/B of FLASHLIGHT_ATOMIC_DQ in one process compiles both backwards)
+    atomic_dq = fused_dq()
+    key = f"{name}_{source_hash(str(region))}" + ("_atomic_dq" if atomic_dq else "")
     if key not in REGISTRY:
         module, path = load_module(name, source)
         kernel = fast_launch(getattr(module, name), interpreting())
         c = CompiledRegion(region, source, name, path, kernel, stats, key=key,
-                           sparse=useful(dead_predicate(region, region.passes()[0])), tma=tma)
+                           sparse=useful(dead_predicate(region, region.passes()[0])), tma=tma,
+                           fused_dq=atomic_dq)
         REGISTRY[key] = c
     return REGISTRY[key]
 
@@ -613,7 +612,7 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_compiled = True
     try:
         source, stats = generate_backward(c.region, placeholder, interpret=interpreting(),
-                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=fused_dq())
+                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=c.fused_dq)
     except CodegenError as e:
         c.bwd_reason = str(e)
         return
