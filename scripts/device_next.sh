@@ -66,14 +66,22 @@ N1)  # session 19 (plan above)
     --b-env FLASHLIGHT_ATOMIC_DQ=1 --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training (flashlight_b: fused dQ) rc $?"; tail -11 $OUT/training.txt | cut -c1-170
   ;;
-N3)  # session 19: the GPU tests N1's time limit cut (from the Gluon tile kernels' prefix-LM case on),
-    # then the training table with the row kernel's new config (32 rows)
-  timeout -k 10 250 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
-    -k "prefix_lm-128 or causal-128-200 or causal-128-256 or quick_start or first_forward or reduce_overhead or autocast" \
-    2>&1 | tee $OUT/test_gpu.txt | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|s call" | cut -c1-140
-  timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
-    --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
-  echo "training rc $?"; tail -11 $OUT/training.txt | cut -c1-170
+N3)  # session 19: the GPU tests N1's time limit cut, the gradient tests again (the tile kernels read
+    # dO: DotGrads.direct), then the training table at this code and at ff3e694 (.s18, carried)
+  timeout -k 10 270 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
+    -k "gluon_tile or bf16_forward_and_gradients or fused_dq or quick_start or first_forward or reduce_overhead or autocast" \
+    2>&1 | tee $OUT/test_gpu.txt | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  timeout -k 10 130 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 115 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -10 $OUT/training.txt | cut -c1-150
+  (cd .s18 && PYTHONPATH=. timeout -k 10 110 python3 -m benchmarks.run --suite training --backends flashlight,flex \
+    --no-plots --time-limit 95 --out $OUT/training_s18 > $OUT/training_s18.txt 2>&1)
+  echo "training at ff3e694 rc $?"; tail -10 $OUT/training_s18.txt | cut -c1-150
+  ;;
+N4)  # session 19: issue #5's table at the code that stays (the row kernel's 32 rows; no DotGrads.direct)
+  timeout -k 10 150 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 130 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -10 $OUT/training.txt | cut -c1-150
   ;;
 N2)
   FLASHLIGHT_ATOMIC_DQ=1 timeout -k 10 140 python3 -m benchmarks.backward_configs --variants alibi,document_mask \
