@@ -27,14 +27,14 @@ import torch  # noqa: E402
 from flashlight.examples import VARIANTS  # noqa: E402
 from flashlight.runtime import op as rt  # noqa: E402
 from flashlight.testing import rel_error  # noqa: E402
-from flashlight.tune import INTERPRETER, Config, backward_candidates, head_block, ROWS  # noqa: E402
+from flashlight.tune import INTERPRETER, ROWS, Config, backward_candidates, head_block  # noqa: E402
 
 from .configs import parse_config  # noqa: E402
 from .smoke import configure_dynamo  # noqa: E402
 
 
 # the row-gradient kernel's configs (elementwise: BLOCK_N and stages unused)
-ROWS = [Config(64, 16, 8, 1), Config(64, 16, 4, 1), Config(32, 16, 8, 1), Config(32, 16, 4, 1), Config(16, 16, 4, 1)]
+ROW_CONFIGS = [Config(64, 16, 8, 1), Config(64, 16, 4, 1), Config(32, 16, 8, 1), Config(32, 16, 4, 1), Config(16, 16, 4, 1)]
 
 
 def capture_step(mod, inputs: list[torch.Tensor]):
@@ -101,7 +101,7 @@ def main() -> None:
         for kernel in args.kernels.split(","):
             launch = launches[kernel]
             space = ([parse_config(s) for s in args.configs.split(",")] if args.configs
-                     else ROWS if kernel == "rows" else backward_candidates(block_d, kernel)) if cuda \
+                     else ROW_CONFIGS if kernel == "rows" else backward_candidates(block_d, kernel)) if cuda \
                 else [INTERPRETER, Config(32, 32, 1, 1)]
             default = row_default if kernel == "rows" else c.config(tensors, kernel)
             for cfg in space:

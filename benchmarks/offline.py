@@ -34,7 +34,7 @@ from flashlight.runtime import gluon
 from flashlight.runtime import op as rt
 from flashlight.runtime.backward import compile_gluon_tile
 from flashlight.runtime.quick import compile_quick
-from flashlight.tune import ROWS, cdiv, head_block
+from flashlight.tune import ROWS, cdiv
 
 from .configs import parse_config
 
