@@ -27,6 +27,7 @@ import gc
 import math
 import os
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -171,7 +172,7 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
     if backend == "flashlight_b":
         if not env.b_env:
             raise NotApplicable("no --b-env")
-        fn = torch.compile(prog.fn, backend="flashlight", dynamic=False)
+        fn = torch.compile(own_code(prog.fn), backend="flashlight", dynamic=False)
         return lambda: with_environ(env.b_env, lambda: fn(*xs))
     if backend == "inductor":
         key = (case.program, case.mode)
@@ -210,6 +211,13 @@ def build(backend: str, case: Case, xs, env: Env, shared: dict) -> Callable:
 
 
 CUDA_GRAPHS = {"flashlight_cg": "reduce-overhead", "flex_cg": "reduce-overhead"}    # backend -> compile mode
+
+
+def own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: Dynamo caches a function's compiled graphs on its
+    code object, so flashlight_b's compile of the same function could otherwise reuse
+    flashlight's graphs, captured without flashlight_b's environment."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def with_environ(values: dict, call: Callable):

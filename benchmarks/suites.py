@@ -110,6 +110,7 @@ PROGRAMS: dict[str, Program] = {
     "relu_attention": _example("relu_attention"),
     "sigmoid_attention": _example("sigmoid_attention"),
     "relative_position": _example("relative_position", unbatched=(3,), head_sliceable=False),
+    "rope": _example("rope", unbatched=(3, 4)),       # cos and sin tables: [N, D]
     "decode_causal": Program(fn=decode.causal, make=decode.make_inputs, flex=decode.flex_causal,
                              sdpa=lambda xs: decode.sdpa_call("decode_causal", xs)),
     "decode_alibi": Program(fn=decode.alibi, make=decode.make_inputs, flex=decode.flex_alibi,
@@ -153,9 +154,9 @@ SPARSITY_VARIANTS = ["causal", "sliding_256", "prefix_lm_256", "document_12"]
 # the document mask as models spell it (SDPA with a mask built in the program): what torch.compile
 # gives today (Inductor builds the mask, SDPA reads it) against the fused program and Flex
 SDPA_VARIANTS = [("document_12_sdpa", "sdpa_document", ())]
-OTHER_BEYOND = ["gated", "hand_softmax", "relu_attention", "sigmoid_attention", "relative_position"]
+OTHER_BEYOND = ["gated", "hand_softmax", "relu_attention", "sigmoid_attention", "relative_position", "rope"]
 TRAINING_VARIANTS = [("causal", "causal"), ("alibi", "alibi"), ("document_12", "document_mask"),
-                     ("diff_attention", "diff_attention")]
+                     ("diff_attention", "diff_attention"), ("rope", "rope")]
 DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_alibi")]
 
 FLEX_BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "inductor")

@@ -83,6 +83,13 @@ N4)  # session 19: issue #5's table at the code that stays (the row kernel's 32 
     --no-plots --time-limit 130 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -10 $OUT/training.txt | cut -c1-150
   ;;
+N5)  # session 19: K and V operands computed outside the kernel (capture.rules.key_operand) against
+    # in it (FLASHLIGHT_KV_LEAVES=0, flashlight_b), RoPE forward and training, one run
+  timeout -k 10 200 python3 -m benchmarks.run --suite beyond,training --only rope \
+    --backends flashlight,flashlight_b,inductor --b-env FLASHLIGHT_KV_LEAVES=0 \
+    --no-plots --time-limit 170 --out $OUT/rope > $OUT/rope.txt 2>&1
+  echo "rope rc $?"; tail -6 $OUT/rope.txt | cut -c1-150
+  ;;
 N2)
   FLASHLIGHT_ATOMIC_DQ=1 timeout -k 10 140 python3 -m benchmarks.backward_configs --variants alibi,document_mask \
     --d 128 --kernels dkdv --out $OUT/fused 2>&1 | nogrep | tee $OUT/fused_configs.txt | cut -c1-150 | tail -24

@@ -718,13 +718,16 @@ def test_fused_dq_adds_dq_in_the_dkdv_kernel(name, D, monkeypatch):
         torch.compiler.reset()
 
 
+@pytest.mark.parametrize("kv_leaves", ["1", "0"])
 @pytest.mark.parametrize("v_norm", ["rms", "l2"])
-def test_operands_that_divide_by_a_loaded_norm_stay_finite_in_padding(v_norm):
+def test_operands_that_divide_by_a_loaded_norm_stay_finite_in_padding(v_norm, kv_leaves, monkeypatch):
     """QK-norm with a learned scale (``q / q.norm()``, k likewise) and a normalised V: the
     operand tiles divide by a loaded norm, which reads 0 in the rows past M or N that pad the
     last block, and 0 / 0 there reached the products (NaN times the zero it meets is NaN):
     every gradient of q and k was NaN (found by a review), and with ``v / v.norm()`` the
-    forward's output was NaN too. Lengths that are not whole blocks."""
+    forward's output was NaN too. Lengths that are not whole blocks. K and V computed in the
+    kernel too (``FLASHLIGHT_KV_LEAVES=0``; by default they load as leaves, Q does not)."""
+    monkeypatch.setenv("FLASHLIGHT_KV_LEAVES", kv_leaves)
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 37, 32), torch.randn(1, 2, 45, 32), torch.randn(1, 2, 45, 32)
     scale = torch.tensor(4.0)

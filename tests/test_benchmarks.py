@@ -189,3 +189,22 @@ def test_sdpa_document_case_fuses_and_agrees_with_flex(tmp_path, monkeypatch):
     assert r["flashlight_ok"] == "True" and float(r["flashlight_err"]) < 1e-4
     assert r["flex_ok"] == "True" and float(r["flex_err"]) < 1e-4
     assert 0 < float(r["density"]) < 0.5
+
+
+def test_flashlight_b_captures_under_its_own_environment():
+    """flashlight_b (``run --b-env``) compiles a copy of the program with a code object of its
+    own: Dynamo caches compiled graphs on the code object, and the second compile of the same
+    function reused the first's graph, captured without the B environment (session 19's void
+    A/B)."""
+    from benchmarks.measure import own_code, with_environ
+    from flashlight.examples import VARIANTS
+    from flashlight.runtime.op import REGISTRY
+    mod = VARIANTS["rope"]
+    xs = mod.make_inputs(B=1, H=2, M=33, D=16)
+    REGISTRY.clear()
+    a = torch.compile(mod.attention, backend="flashlight", dynamic=False)
+    b = torch.compile(own_code(mod.attention), backend="flashlight", dynamic=False)
+    out_a = a(*xs)
+    out_b = with_environ({"FLASHLIGHT_KV_LEAVES": "0"}, lambda: b(*xs))
+    assert sorted(c.region.dots[0].k.op for c in REGISTRY.values()) == ["add", "load"]
+    assert torch.allclose(out_a, out_b, atol=1e-5)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import flashlight
+from flashlight.ir import walk
 from flashlight.testing import reference, rel_error
 from helpers import check_fused, check_grads, grads
 
@@ -344,3 +345,46 @@ def test_baddbmm_with_beta_zero_ignores_its_input():
     buf = torch.full((8, 24, 24), float("nan"))
     buf[:, :, :5] = float("inf")
     check_fused(scores_from_a_buffer, q, k, v, buf)
+
+
+@pytest.mark.parametrize("kv_leaves", ["1", "0"])
+def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
+    """A K or V operand that reads two or more floating tensors along the keys (RoPE on k, QK-norm,
+    ``v * gate``) is computed once outside the kernel and loaded: in the kernel every query
+    block would compute its tiles again. Q stays in the kernel, and so do a K scaled per head (one
+    tensor along the keys) and a gather through a page table (an integer index).
+    ``FLASHLIGHT_KV_LEAVES=0`` keeps all of them in the kernel. Forward and gradients against
+    float64 both ways."""
+    from flashlight.examples import VARIANTS
+    from flashlight.runtime.op import REGISTRY
+    monkeypatch.setenv("FLASHLIGHT_KV_LEAVES", kv_leaves)
+    torch.compiler.reset()
+
+    def operands():
+        (c,) = REGISTRY.values()
+        d = c.region.dots[0]
+        return d.q.op, d.k.op, c.region.reductions[-1].v.op
+
+    def qknorm_gated(q, k, v, gate):
+        qn, kn = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        return torch.softmax(qn @ kn.mT * 4.0, -1) @ (v * torch.sigmoid(gate))
+
+    def head_scaled(q, k, v, scale):
+        return torch.softmax(q @ (k * scale).mT * 0.25, -1) @ v
+
+    rope = VARIANTS["rope"]
+    leaves = kv_leaves == "1"
+    for fn, inputs, want in [
+            (rope.attention, rope.make_inputs(B=B, H=H, M=M, N=N, D=D), ("add", "load" if leaves else "add", "load")),
+            (qknorm_gated, (*qkv(), torch.randn(B, H, N, D)), ("div", "load" if leaves else "div",
+                                                                "load" if leaves else "mul")),
+            (head_scaled, (*qkv(), torch.rand(1, H, 1, 1) + 0.5), ("load", "mul", "load"))]:
+        REGISTRY.clear()
+        check_fused(fn, *inputs)
+        assert operands() == want, (fn.__name__, operands())
+        check_grads(fn, inputs)
+    paged = VARIANTS["paged_decode"]
+    REGISTRY.clear()
+    check_fused(paged.attention, *paged.make_inputs(B=2, H=4, M=37, D=16, queries=3))
+    (c,) = REGISTRY.values()
+    assert any(x.op == "load" and x.kind == "i" for x in walk(c.region.dots[0].k))     # the page table, read in the kernel

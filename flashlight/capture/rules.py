@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import os
 from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from ..ir import Expr, call, coerce, const, free_vars, refs
+from ..ir import Expr, call, coerce, const, free_vars, refs, walk
 from ..ir.expr import is_const
 from ..ir.philox import LEVELS
 from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, static_shape
@@ -507,11 +508,14 @@ def _cat(b, node, tensors, dim=0):
     return Sym(shape, kind, fn)
 
 
-def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, ...] | None = None) -> Sym | None:
+def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, ...] | None = None,
+                y: fx.Node | None = None) -> Sym | None:
     """``x @ y`` with matmul broadcasting. At a score tile (.., m, n) it is a dot of the region;
     at an output tile (.., m, dv) with a score-like left operand it is a reduction over N;
     anywhere else it is a leaf computed outside the kernel. ``order``: which of the node's dims
-    holds each dim of the (batch..., rows, cols) product (an einsum with permuted output letters)."""
+    holds each dim of the (batch..., rows, cols) product (an einsum with permuted output letters).
+    ``y``: the right operand's node, whose computed K or V operand may load as a leaf
+    (``key_operand``)."""
     if len(sx.shape) < 2 or len(sy.shape) < 2:
         return None
     own = out_shape(node)
@@ -526,11 +530,11 @@ def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, .
         K = sx.shape[-1]
         if b.is_tile(idx, b.m, b.n) and shape[-2:] == (b.M, b.N) and K == (b.DK or K):
             b.DK = K
-            return b.add_dot(sx(ax + (b.m, b.dk)), sy(ay + (b.dk, b.n)))
+            return b.add_dot(sx(ax + (b.m, b.dk)), key_operand(b, y, sy, ay + (b.dk, b.n)))
         if b.is_tile(idx, b.m, b.dv) and shape[-2:] == (b.M, b.DV) and K == b.N:
             body = sx(ax + (b.m, b.n))
             if refs(body, "dot"):
-                return b.add_reduction("dot", body, sy(ay + (b.n, b.dv)))
+                return b.add_reduction("dot", body, key_operand(b, y, sy, ay + (b.n, b.dv)))
         return leaf(permute_back(idx, order))
     return Sym(own, "f", lambda idx: fn(tuple(idx[o] for o in order)))
 
@@ -543,14 +547,48 @@ def permute_back(idx: Idx, order: tuple[int, ...]) -> Idx:
     return tuple(res)
 
 
+# ops whose result is a view of their first argument, followed from a K or V operand down to the
+# node that computes it (``key_operand``)
+OPERAND_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.mT,
+                 aten.unsqueeze, aten.squeeze, aten.expand, aten.expand_as, aten.slice, aten.select, aten.alias,
+                 aten.contiguous, aten.clone}
+
+
+def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx) -> Expr:
+    """A K or V operand at ``idx``: ``sy``'s expression, unless that reads two or more floating
+    tensors along the key axis (RoPE's ``k * cos + rotate_half(k) * sin``, QK-norm's
+    ``k / k.norm()``; not a gather through a page table, whose index is an integer load).
+    Such an operand is loaded from the node that computes it instead, computed once outside the
+    kernel, as eager computes it: in the kernel every query block would compute its tiles again,
+    and the Gluon forward needs K and V read as rows. ``FLASHLIGHT_KV_LEAVES=0`` keeps them in
+    the kernel."""
+    saved = b.snapshot()
+    e = sy(idx)
+    loads = {x for x in walk(e) if x.op == "load" and x.kind == "f" and any("n" in free_vars(i) for i in x.args[1])}
+    if y is None or len(loads) < 2 or os.environ.get("FLASHLIGHT_KV_LEAVES", "1") == "0":
+        return e
+    chain, src = [], y
+    while src.op == "call_function" and getattr(src.target, "overloadpacket", None) in OPERAND_VIEWS \
+            and isinstance(src.args[0], fx.Node):
+        chain.append(src)
+        src = src.args[0]
+    if src.op != "call_function" or meta(src) is None or not meta(src).is_floating_point():
+        return e
+    b.restore(saved)        # the trial's leaves are not the kernel's
+    for n in chain:
+        b.syms.pop(n, None)
+    b.syms[src] = b.leaf(src)
+    return b.sym(y)(idx)
+
+
 def _matmul(b, node, x, y):
-    return contraction(b, node, b.sym(x), b.sym(y))
+    return contraction(b, node, b.sym(x), b.sym(y), y=y)
 
 
 def _baddbmm(b, node, inp, x, y, beta=1, alpha=1):
     """``beta * inp + alpha * (x @ y)``: BLOOM's scores, its ALiBi bias as ``inp``. A score
     tile adds the bias to the region's dot; elsewhere the node is computed outside the kernel."""
-    prod = contraction(b, node, b.sym(x), b.sym(y))
+    prod = contraction(b, node, b.sym(x), b.sym(y), y=y)
     if prod is None:
         return None
     si, shape, kind = b.sym(inp), out_shape(node), kind_of(meta(node).dtype)

@@ -29,8 +29,8 @@ from .cache import load_module, source_hash
 def fused_dq() -> bool:
     """``FLASHLIGHT_ATOMIC_DQ=1``: backward kernels generated from now on add dQ in the dK/dV
     kernel with fp32 atomics (``GradPlan.fused_dq``) instead of a dQ kernel. Off by default: on
-    the H200 its dK/dV kernel alone took 2.5-5x the two-kernel dK/dV and dQ (design.md, "Fused
-    dQ, again")."""
+    the H200 its dK/dV kernel alone took 2.1-3.6x the two-kernel dK/dV and dQ (design.md,
+    "Fused dQ, again")."""
     return os.environ.get("FLASHLIGHT_ATOMIC_DQ", "0") == "1"
 
 

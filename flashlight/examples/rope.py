@@ -1,0 +1,29 @@
+"""Causal attention with rotary position embeddings (RoFormer, https://arxiv.org/abs/2104.09864)
+applied inside the attention function, as Llama's ``apply_rotary_pos_emb`` does: q and k are
+rotated by position-dependent angles before their product. The rotated K is computed once
+outside the kernel (``capture.rules.key_operand``), the rotated Q in it."""
+import torch
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def attention(q, k, v, cos, sin):
+    # cos, sin: [N, D] tables of the key positions; the queries are the last M of them
+    M, N = q.shape[-2], k.shape[-2]
+    q = q * cos[N - M:] + rotate_half(q) * sin[N - M:]
+    k = k * cos + rotate_half(k) * sin
+    keep = torch.ones(M, N, dtype=torch.bool, device=q.device).tril(N - M)
+    scores = (q @ k.mT) * q.shape[-1] ** -0.5
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def make_inputs(B=2, H=4, M=128, N=None, D=64, dtype=torch.float32, device="cpu", base=10000.0):
+    N = N or M
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device=device) for L in (M, N, N))
+    inv_freq = base ** -(torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
+    angles = torch.arange(N, device=device, dtype=torch.float32)[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return q, k, v, angles.cos().to(dtype), angles.sin().to(dtype)
