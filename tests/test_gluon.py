@@ -362,3 +362,22 @@ def test_a_permuted_output_needs_strides_the_epilogue_can_assert():
         (c,) = rt.REGISTRY.values()
         assert (why in gluon_support(c.region)) if why else gluon_support(c.region) == ""
     rt.REGISTRY.clear()
+
+
+def test_a_computed_k_keeps_the_triton_forward_before_it_is_read_as_rows(monkeypatch):
+    """A K computed in the kernel (``k * scale[h]``: one tensor along the keys, so not a leaf) has
+    no Gluon forward, and ``gluon_applies`` says so before ``gluon.usable`` reads K and V as
+    loads: that raised a TypeError at the first call on sm_90 (session 19, RoPE on an H100 with
+    FLASHLIGHT_KV_LEAVES=0)."""
+    monkeypatch.setenv("FLASHLIGHT_GLUON", "all")
+
+    def attention(q, k, v, scale):
+        return torch.softmax(q @ (k * scale).mT * 0.088, -1) @ v
+    q, k, v = (torch.randn(1, 2, 128, 128) for _ in range(3))
+    rt.REGISTRY.clear()
+    torch.compile(attention, backend="flashlight")(q, k, v, torch.rand(1, 2, 1, 1) + 0.5)
+    (c,) = rt.REGISTRY.values()
+    monkeypatch.setattr(rg, "runs_on", lambda device: True)
+    assert c.region.dots[0].k.op == "mul" and gluon_support(c.region)
+    assert not c.gluon_applies([q, k, v])
+    rt.REGISTRY.clear()

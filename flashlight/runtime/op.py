@@ -221,8 +221,15 @@ class CompiledRegion:
         the Triton kernel serves every call until it is ready (a tiered JIT)."""
         mode = gluon.mode()
         return not (self.gfwd.kernel is False or mode == "0" or (mode != "all" and self.gluon_slower)
-                    or not gluon.runs_on(inputs[0].device)
+                    or not gluon.runs_on(inputs[0].device) or self.gluon_unsupported
                     or not gluon.usable(self.region, inputs))
+
+    @functools.cached_property
+    def gluon_unsupported(self) -> bool:
+        """Has the region no Gluon forward (``gluon_support``)? Asked before ``gluon.usable``, which
+        reads K and V as loads: a K computed in the kernel (``k * scale[h]``) raised there at
+        the first call on sm_90 (session 19, H100, RoPE with FLASHLIGHT_KV_LEAVES=0)."""
+        return bool(gluon_support(self.region))
 
     @functools.cached_property
     def gluon_slower(self) -> bool:
