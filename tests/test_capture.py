@@ -350,7 +350,7 @@ def test_baddbmm_with_beta_zero_ignores_its_input():
 @pytest.mark.parametrize("kv_leaves", ["1", "0"])
 def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
     """A K or V operand that reads two or more floating tensors along the keys (RoPE on k, QK-norm,
-    ``v * gate``) is computed once outside the kernel and loaded: in the kernel every query
+    ``v * gate``; matmul or einsum) is computed once outside the kernel and loaded: in the kernel every query
     block would compute its tiles again. Q stays in the kernel, and so do a K scaled per head (one
     tensor along the keys) and a gather through a page table (an integer index).
     ``FLASHLIGHT_KV_LEAVES=0`` keeps all of them in the kernel. Forward and gradients against
@@ -372,13 +372,20 @@ def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
     def head_scaled(q, k, v, scale):
         return torch.softmax(q @ (k * scale).mT * 0.25, -1) @ v
 
+    def einsum_rope(q, k, v, cos, sin):
+        k = k * cos + VARIANTS["rope"].rotate_half(k) * sin
+        s = torch.einsum("bhmd,bhnd->bhmn", q, k) * 0.25
+        return torch.einsum("bhmn,bhnd->bhmd", s.softmax(-1), v * cos)
+
     rope = VARIANTS["rope"]
     leaves = kv_leaves == "1"
     for fn, inputs, want in [
             (rope.attention, rope.make_inputs(B=B, H=H, M=M, N=N, D=D), ("add", "load" if leaves else "add", "load")),
             (qknorm_gated, (*qkv(), torch.randn(B, H, N, D)), ("div", "load" if leaves else "div",
                                                                 "load" if leaves else "mul")),
-            (head_scaled, (*qkv(), torch.rand(1, H, 1, 1) + 0.5), ("load", "mul", "load"))]:
+            (head_scaled, (*qkv(), torch.rand(1, H, 1, 1) + 0.5), ("load", "mul", "load")),
+            (einsum_rope, rope.make_inputs(B=B, H=H, M=M, N=N, D=D), ("load", "load" if leaves else "add",
+                                                                      "load" if leaves else "mul"))]:
         REGISTRY.clear()
         check_fused(fn, *inputs)
         assert operands() == want, (fn.__name__, operands())

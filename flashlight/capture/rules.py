@@ -509,13 +509,13 @@ def _cat(b, node, tensors, dim=0):
 
 
 def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, ...] | None = None,
-                y: fx.Node | None = None) -> Sym | None:
+                y: fx.Node | None = None, wrap: Callable[[Sym], Sym] = lambda s: s) -> Sym | None:
     """``x @ y`` with matmul broadcasting. At a score tile (.., m, n) it is a dot of the region;
     at an output tile (.., m, dv) with a score-like left operand it is a reduction over N;
     anywhere else it is a leaf computed outside the kernel. ``order``: which of the node's dims
     holds each dim of the (batch..., rows, cols) product (an einsum with permuted output letters).
     ``y``: the right operand's node, whose computed K or V operand may load as a leaf
-    (``key_operand``)."""
+    (``key_operand``); ``sy`` is ``wrap(b.sym(y))``."""
     if len(sx.shape) < 2 or len(sy.shape) < 2:
         return None
     own = out_shape(node)
@@ -530,11 +530,11 @@ def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, .
         K = sx.shape[-1]
         if b.is_tile(idx, b.m, b.n) and shape[-2:] == (b.M, b.N) and K == (b.DK or K):
             b.DK = K
-            return b.add_dot(sx(ax + (b.m, b.dk)), key_operand(b, y, sy, ay + (b.dk, b.n)))
+            return b.add_dot(sx(ax + (b.m, b.dk)), key_operand(b, y, sy, ay + (b.dk, b.n), wrap))
         if b.is_tile(idx, b.m, b.dv) and shape[-2:] == (b.M, b.DV) and K == b.N:
             body = sx(ax + (b.m, b.n))
             if refs(body, "dot"):
-                return b.add_reduction("dot", body, key_operand(b, y, sy, ay + (b.n, b.dv)))
+                return b.add_reduction("dot", body, key_operand(b, y, sy, ay + (b.n, b.dv), wrap))
         return leaf(permute_back(idx, order))
     return Sym(own, "f", lambda idx: fn(tuple(idx[o] for o in order)))
 
@@ -554,7 +554,7 @@ OPERAND_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.
                  aten.contiguous, aten.clone}
 
 
-def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx) -> Expr:
+def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx, wrap: Callable[[Sym], Sym]) -> Expr:
     """A K or V operand at ``idx``: ``sy``'s expression, unless that reads two or more floating
     tensors along the key axis (RoPE's ``k * cos + rotate_half(k) * sin``, QK-norm's
     ``k / k.norm()``; not a gather through a page table, whose index is an integer load).
@@ -578,7 +578,7 @@ def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx) -> Expr:
     for n in chain:
         b.syms.pop(n, None)
     b.syms[src] = b.leaf(src)
-    return b.sym(y)(idx)
+    return wrap(b.sym(y))(idx)
 
 
 def _matmul(b, node, x, y):
@@ -644,7 +644,8 @@ def _einsum(b, node, equation, operands):
         return Sym(tuple(sizes[ch] if ch in letters else 1 for ch in full), s.kind,
                    lambda idx: s(tuple(idx[full.index(ch)] for ch in letters)))
 
-    return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn), order)
+    return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn), order, y=operands[1],
+                       wrap=lambda s: norm(s, c, kk + nn))
 
 
 # In-place updates of scores (gpt-oss: ``QK *= sm_scale; QK += mask``): the out-of-place op, when
