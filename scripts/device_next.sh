@@ -1,3 +1,9 @@
+# Session 20's plan (written in session 19; docs/notes.md "Session 19"). Session 19 ran N1-N5, three
+# of them on H100s: the H200 numbers of this code are still to take.
+#   P1 (~8 min): the GPU tests in full (the new Gluon-forward guard; RoPE is now a variant), then
+#     issue #5's training table on the H200 (the row kernel's 32 rows; RoPE with K and V loaded as
+#     leaves against FLASHLIGHT_KV_LEAVES=0, now an A/B that recaptures: measure.own_code).
+#   P2 (~9.5 min): the whole flex suite in one run (part F), for #6's table at this code.
 # Session 19's plan (written in session 18, after its GPU run; docs/notes.md "Session 18"):
 #   N1 (~7.5 min): the GPU tests (the autocast test now reads the narrowed q, k, v; four fused-dQ
 #     cases), then issue #5's training table with the dK/dV kernel adding dQ by fp32 atomics
@@ -89,6 +95,17 @@ N5)  # session 19: K and V operands computed outside the kernel (capture.rules.k
     --backends flashlight,flashlight_b,inductor --b-env FLASHLIGHT_KV_LEAVES=0 \
     --no-plots --time-limit 170 --out $OUT/rope > $OUT/rope.txt 2>&1
   echo "rope rc $?"; tail -6 $OUT/rope.txt | cut -c1-150
+  ;;
+P1)  # session 20 (plan above)
+  timeout -k 10 300 python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
+    | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  timeout -k 10 150 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 130 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -12 $OUT/training.txt | cut -c1-170
+  bash "$0" N5
+  ;;
+P2)
+  bash "$0" F
   ;;
 N2)
   FLASHLIGHT_ATOMIC_DQ=1 timeout -k 10 140 python3 -m benchmarks.backward_configs --variants alibi,document_mask \
