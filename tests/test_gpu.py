@@ -71,7 +71,7 @@ def test_fused_dq_bf16(name, D, monkeypatch):
         check_bf16(name, D)
         assert all(c.bwd_kernel.plan.fused_dq for c in REGISTRY.values() if c.bwd_kernel)
     finally:
-        REGISTRY.clear()        # later tests get regions with the default backward
+        REGISTRY.clear()        # this test's regions alone (the option is part of the registry key)
         torch.compiler.reset()
 
 

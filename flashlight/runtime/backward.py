@@ -37,14 +37,17 @@ def fused_dq() -> bool:
 @dataclass
 class BackwardKernels:
     region: Region
-    plan: GradPlan
-    stats: KernelStats
+    stats: KernelStats    # and the gradient plan the kernels were generated from (``plan``)
     rows: object          # the @triton.jit functions
     dkdv: object
     dq: object
     metas: dict = field(default_factory=dict)      # (kernel, config, TMA) -> (grid, launch_meta)
     gdkdv: background.Tier = field(default_factory=background.Tier)     # the Gluon tile kernels (Hopper)
     gdq: background.Tier = field(default_factory=background.Tier)
+
+    @property
+    def plan(self) -> GradPlan:
+        return self.stats.plan
 
     def tier(self, kernel: str) -> background.Tier:
         """The Gluon ``kernel``'s ("dkdv", "dq") tier over the Triton one."""

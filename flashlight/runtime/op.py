@@ -627,7 +627,7 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and its _dq, _rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
-    c.bwd_kernel = BackwardKernels(c.region, stats.plan, stats, kernel("_rows"), kernel(""),
+    c.bwd_kernel = BackwardKernels(c.region, stats, kernel("_rows"), kernel(""),
                                    None if stats.plan.fused_dq else kernel("_dq"))
 
 
