@@ -67,14 +67,22 @@ def capture(mod, b: int, h: int, n: int, d: int):
         return run_all(self, inputs, *args, **kwargs)
     rt.CompiledRegion.run_all = recording       # this tool's own probe: the op's inputs
     try:
-        torch.compile(mod.attention, backend="flashlight", dynamic=False)(*meta)
+        # Inductor's constant folding of the joint graph evaluates it on meta tensors, and for
+        # RoPE's rotate_half (slice_scatter of a full) left the backward reading a value defined
+        # after it (an FX lint error); on a GPU it folds real values
+        with torch._inductor.config.patch(joint_graph_constant_folding=False):
+            torch.compile(mod.attention, backend="flashlight", dynamic=False)(*meta)
     finally:
         rt.CompiledRegion.run_all = run_all
     (c,) = rt.REGISTRY.values()
     torch.manual_seed(0)
     inputs = []
-    for x in seen["inputs"]:
-        y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype)
+    # where Inductor computes some of the op's inputs (RoPE's rotated k), its code on meta tensors
+    # calls the op's fake, not run_all: those inputs are taken contiguous, as Inductor makes them
+    layouts = [(x.shape, x.stride(), x.dtype) for x in seen["inputs"]] if "inputs" in seen else \
+        [(s.shape, torch.empty(s.shape, device="meta").stride(), s.dtype) for s in c.region.inputs]
+    for shape, stride, dtype in layouts:
+        y = torch.empty_strided(shape, stride, dtype=dtype)
         inputs.append(y.normal_() if y.is_floating_point() else y.random_(0, 12))
     return c, inputs
 

@@ -390,6 +390,31 @@ def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
         check_fused(fn, *inputs)
         assert operands() == want, (fn.__name__, operands())
         check_grads(fn, inputs)
+
+    def rope_then_gqa(expand):
+        """Llama's order: RoPE on k at its own Hkv heads, then ``repeat_kv`` up to the query heads,
+        as ``repeat_interleave`` or as Hugging Face's expand and reshape."""
+        def repeat(x):
+            if expand:
+                b, h, n, d = x.shape
+                return x[:, :, None].expand(b, h, 2, n, d).reshape(b, 2 * h, n, d)
+            return x.repeat_interleave(2, dim=1)
+
+        def fn(q, k, v, cos, sin):
+            k = repeat(k * cos + VARIANTS["rope"].rotate_half(k) * sin)
+            return torch.softmax(q @ k.mT * 0.25, -1) @ repeat(v)
+        return fn
+
+    for expand in (False, True):
+        q, k, v, cos, sin = rope.make_inputs(B=B, H=2 * H, M=M, N=N, D=D)
+        inputs = (q, k[:, :H].contiguous(), v[:, :H].contiguous(), cos, sin)
+        REGISTRY.clear()
+        check_fused(rope_then_gqa(expand), *inputs)
+        (c,) = REGISTRY.values()
+        k_inputs = {c.region.inputs[x.args[0]].shape for x in walk(c.region.dots[0].k) if x.op == "load"}
+        assert k_inputs == ({(B, H, N, D)} if leaves else {(B, H, N, D), (N, D)}), (expand, k_inputs)
+        check_grads(rope_then_gqa(expand), inputs)
+
     paged = VARIANTS["paged_decode"]
     REGISTRY.clear()
     check_fused(paged.attention, *paged.make_inputs(B=2, H=4, M=37, D=16, queries=3))

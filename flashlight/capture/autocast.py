@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from .symbolic import moved
 
 aten = torch.ops.aten
 CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
@@ -107,13 +108,6 @@ def _rerun(graph: fx.Graph, n: fx.Node, state: dict, movable: bool) -> bool:
     return changed
 
 
-# ops that only move elements (a cast commutes with them), each reading one tensor, its first argument
-MOVES = {aten.transpose.int, aten.permute.default, aten.t.default, aten.view.default, aten.reshape.default,
-         aten._unsafe_view.default, aten.flatten.using_ints, aten.unflatten.int, aten.expand.default,
-         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.repeat_interleave.self_int,
-         aten.repeat.default, aten.clone.default, aten.contiguous.default, aten.alias.default}
-
-
 def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, movable: bool = True) -> fx.Node:
     """``x`` cast to ``dtype`` by a new node at the insertion point. The cast goes to the start
     of the moves that made ``x`` (transposes, views, GQA's expansion of k), each moving no more
@@ -123,9 +117,8 @@ def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, movable: bool = True)
     arithmetic. Not ``movable`` (the graph writes in place or switches grad mode): cast as it
     comes."""
     chain = [x]
-    while movable and chain[-1].target in MOVES and isinstance(chain[-1].args[0], fx.Node) and \
-            _size(chain[-1].args[0]) <= _size(chain[-1]) < math.inf:
-        chain.append(chain[-1].args[0])
+    while movable and moved(chain[-1]) is not None and _size(moved(chain[-1])) <= _size(chain[-1]) < math.inf:
+        chain.append(moved(chain[-1]))
     base = chain.pop()
     out = graph.call_function(aten._to_copy.default, (base,), {"dtype": dtype})
     out.meta.update(base.meta)

@@ -16,11 +16,11 @@ import torch
 import torch.fx as fx
 
 from ..ir import Expr, Input, Region, Row, const, free_vars, refs, walk
-from .autocast import CASTS, MOVES
+from .autocast import CASTS
 from .epilogue import CONTRACTIONS, extend, packet
 from .ranges import check_integer_ranges
 from .rules import einsum_letters, permute_back
-from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, carries_grad, meta, static_shape
+from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, carries_grad, meta, moved, static_shape
 
 aten = torch.ops.aten
 SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
@@ -205,16 +205,17 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
                                       "product, and at equal values the result would flip", contraction)
 
 
-CASTS_AND_MOVES = CASTS | MOVES
-
-
 def _source(n: fx.Node) -> fx.Node:
-    """The tensor that ``n`` casts or moves (``autocast.CASTS``, ``autocast.MOVES``), through any
+    """The tensor that ``n`` casts or moves (``autocast.CASTS``, ``symbolic.MOVES``), through any
     number of them: a product's narrowed operand is a leaf of its own (``rules._cast``), and
     autocast narrows each product's operands by casts of their own."""
-    while n.op == "call_function" and n.target in CASTS_AND_MOVES and n.args and isinstance(n.args[0], fx.Node):
-        n = n.args[0]
-    return n
+    while True:
+        if n.op == "call_function" and n.target in CASTS and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        elif moved(n) is not None:
+            n = moved(n)
+        else:
+            return n
 
 
 def _downstream(nodes: set[fx.Node]) -> set[fx.Node]:

@@ -15,7 +15,7 @@ import torch.fx as fx
 from ..ir import Expr, call, coerce, const, free_vars, refs, walk
 from ..ir.expr import is_const
 from ..ir.philox import LEVELS
-from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, static_shape
+from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, moved, static_shape
 
 aten = torch.ops.aten
 Idx = tuple
@@ -547,13 +547,6 @@ def permute_back(idx: Idx, order: tuple[int, ...]) -> Idx:
     return tuple(res)
 
 
-# ops whose result is a view of their first argument, followed from a K or V operand down to the
-# node that computes it (``key_operand``)
-OPERAND_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.mT,
-                 aten.unsqueeze, aten.squeeze, aten.expand, aten.expand_as, aten.slice, aten.select, aten.alias,
-                 aten.contiguous, aten.clone}
-
-
 def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx, wrap: Callable[[Sym], Sym]) -> Expr:
     """A K or V operand at ``idx``: ``sy``'s expression, unless that reads two or more floating
     tensors along the key axis (RoPE's ``k * cos + rotate_half(k) * sin``, QK-norm's
@@ -568,10 +561,9 @@ def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx, wrap: Callable
     if y is None or len(loads) < 2 or os.environ.get("FLASHLIGHT_KV_LEAVES", "1") == "0":
         return e
     chain, src = [], y
-    while src.op == "call_function" and getattr(src.target, "overloadpacket", None) in OPERAND_VIEWS \
-            and isinstance(src.args[0], fx.Node):
+    while moved(src) is not None:
         chain.append(src)
-        src = src.args[0]
+        src = moved(src)
     if src.op != "call_function" or meta(src) is None or not meta(src).is_floating_point():
         return e
     b.restore(saved)        # the trial's leaves are not the kernel's

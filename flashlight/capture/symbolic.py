@@ -46,6 +46,28 @@ def meta(node) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+# ops each of whose elements is an element of their first argument: views, copies, and GQA's
+# expansion of k and v by ``repeat_interleave`` or ``repeat``. A cast commutes with them
+# (``autocast``), and a K or V operand computed outside the kernel is loaded from the tensor
+# they move (``rules.key_operand``).
+MOVES = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.mT,
+         aten.unsqueeze, aten.squeeze, aten.flatten, aten.unflatten, aten.expand, aten.expand_as,
+         aten.slice, aten.select, aten.repeat_interleave, aten.repeat, aten.alias, aten.contiguous,
+         aten.clone}
+
+
+def moved(n: fx.Node) -> fx.Node | None:
+    """The tensor whose elements ``n`` moves (``MOVES``) in the same dtype, or None. Not a
+    bitcast (``view.dtype``), nor ``repeat_interleave(repeats)``, whose first argument is the
+    integer repeats."""
+    if n.op != "call_function" or getattr(n.target, "overloadpacket", None) not in MOVES or not n.args:
+        return None
+    x = n.args[0]
+    if meta(x) is None or meta(n) is None or meta(x).dtype != meta(n).dtype:
+        return None
+    return x
+
+
 def static_shape(t: torch.Tensor) -> tuple[int, ...]:
     try:
         return tuple(int(s) for s in t.shape)
