@@ -232,3 +232,26 @@ def test_autocast_casts_keep_what_the_program_reads(fn):
         assert (g is None) == (e is None) == (r is None)
         if g is not None:
             assert rel_error(g.double(), r) <= max(2 * rel_error(e.double(), r), 1e-5)
+
+
+def test_a_threshold_from_q_alone_of_a_packed_qkv_still_fuses():
+    """q and k sliced from one packed tensor, the scores masked by a threshold from a product
+    of q alone: that product does not copy the scores, so the region fuses under autocast.
+    The check follows a narrowed operand to the tensor it reads through casts and element
+    moves, but not through slices (``symbolic.moved(narrowing=False)``): through them q and k
+    both led to the packed tensor, and any product of q then counted as the scores'."""
+    def packed(x, v, w):
+        with torch.autocast("cpu", torch.bfloat16):
+            q, k = x[..., :16], x[..., 16:]
+            s = q @ k.mT * 0.25
+            return torch.softmax(s.masked_fill(s < q @ w, float("-inf")), -1) @ v
+
+    torch.manual_seed(0)
+    x, v, w = torch.randn(1, 2, 32, 32), torch.randn(1, 2, 32, 16), torch.randn(16, 1) * 0.1
+    torch.compiler.reset()
+    report = flashlight.explain(packed, x, v, w)
+    assert len(report.regions) == 1, report
+    torch.compiler.reset()
+    out, want = torch.compile(packed, backend="flashlight")(x, v, w), packed(x, v, w)
+    ref = packed(*(t.double() for t in (x, v, w)))
+    assert rel_error(out.double(), ref) <= max(2 * rel_error(want.double(), ref), 1e-5)

@@ -415,6 +415,22 @@ def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
         assert k_inputs == ({(B, H, N, D)} if leaves else {(B, H, N, D), (N, D)}), (expand, k_inputs)
         check_grads(rope_then_gqa(expand), inputs)
 
+    def written_after_its_copy(copy):
+        """The rotated k is copied (GQA's repeat, a clone), then written in place: the kernel
+        runs after the write, so it loads the copy, not the tensor the copy was made from."""
+        def fn(q, k, v, cos, sin):
+            kr = k * cos + VARIANTS["rope"].rotate_half(k) * sin
+            kk = kr.repeat_interleave(2, dim=1) if copy == "repeat" else kr.clone()
+            kr.mul_(3.0)
+            return torch.softmax(q @ kk.mT * 0.25, -1) @ (v.repeat_interleave(2, dim=1) if copy == "repeat" else v)
+        return fn
+
+    for copy in ("repeat", "clone"):
+        q, k, v, cos, sin = rope.make_inputs(B=B, H=2 * H, M=M, N=N, D=D)
+        heads = H if copy == "repeat" else 2 * H
+        REGISTRY.clear()
+        check_fused(written_after_its_copy(copy), q, k[:, :heads].contiguous(), v[:, :heads].contiguous(), cos, sin)
+
     paged = VARIANTS["paged_decode"]
     REGISTRY.clear()
     check_fused(paged.attention, *paged.make_inputs(B=2, H=4, M=37, D=16, queries=3))

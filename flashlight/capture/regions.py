@@ -212,8 +212,8 @@ def _source(n: fx.Node) -> fx.Node:
     while True:
         if n.op == "call_function" and n.target in CASTS and n.args and isinstance(n.args[0], fx.Node):
             n = n.args[0]
-        elif moved(n) is not None:
-            n = moved(n)
+        elif moved(n, narrowing=False) is not None:     # a slice of a packed qkv is not qkv
+            n = moved(n, narrowing=False)
         else:
             return n
 

@@ -15,7 +15,7 @@ import torch.fx as fx
 from ..ir import Expr, call, coerce, const, free_vars, refs, walk
 from ..ir.expr import is_const
 from ..ir.philox import LEVELS
-from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, moved, static_shape
+from .symbolic import RULES, Builder, Sym, Unsupported, align, kind_of, meta, moved, static_shape, written_after
 
 aten = torch.ops.aten
 Idx = tuple
@@ -562,6 +562,8 @@ def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx, wrap: Callable
         return e
     chain, src = [], y
     while moved(src) is not None:
+        if written_after(moved(src), src):
+            break       # a copy (repeat_interleave, clone, a reshape's) of a tensor written later: load it
         chain.append(src)
         src = moved(src)
     if src.op != "call_function" or meta(src) is None or not meta(src).is_floating_point():

@@ -54,13 +54,16 @@ MOVES = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpos
          aten.unsqueeze, aten.squeeze, aten.flatten, aten.unflatten, aten.expand, aten.expand_as,
          aten.slice, aten.select, aten.repeat_interleave, aten.repeat, aten.alias, aten.contiguous,
          aten.clone}
+NARROWING = {aten.slice, aten.select}       # moves that keep part of their argument
 
 
-def moved(n: fx.Node) -> fx.Node | None:
-    """The tensor whose elements ``n`` moves (``MOVES``) in the same dtype, or None. Not a
-    bitcast (``view.dtype``), nor ``repeat_interleave(repeats)``, whose first argument is the
-    integer repeats."""
-    if n.op != "call_function" or getattr(n.target, "overloadpacket", None) not in MOVES or not n.args:
+def moved(n: fx.Node, narrowing: bool = True) -> fx.Node | None:
+    """The tensor whose elements ``n`` moves (``MOVES``; not ``NARROWING`` ones unless
+    ``narrowing``) in the same dtype, or None. Not a bitcast (``view.dtype``), nor
+    ``repeat_interleave(repeats)``, whose first argument is the integer repeats."""
+    packet = getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
+    if packet not in MOVES or not n.args or n.target is aten.repeat_interleave.Tensor \
+            or (not narrowing and packet in NARROWING):
         return None
     x = n.args[0]
     if meta(x) is None or meta(n) is None or meta(x).dtype != meta(n).dtype:
@@ -108,18 +111,36 @@ def _users_on_first(node: fx.Node):
     return [u for u in node.users if u.op == "call_function" and u.args and u.args[0] is node]
 
 
+def _aliases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and its views, through any number of them (schema: the result aliases the first
+    argument)."""
+    aliases, todo = [node], [node]
+    while todo:
+        views = [u for u in _users_on_first(todo.pop()) if _compat.first_argument_alias(u.target) == "view"]
+        aliases += views
+        todo += views
+    return aliases
+
+
+def _writes(aliases: list[fx.Node]) -> list[fx.Node]:
+    return [u for a in aliases for u in _users_on_first(a) if _compat.first_argument_alias(u.target) == "write"]
+
+
+def written_after(node: fx.Node, after: fx.Node) -> bool:
+    """Is ``node``'s memory written in place (through it or a view) after ``after`` in the
+    graph? A copy made at ``after`` then holds values that ``node`` no longer does."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return any(order[w] > order[after] for w in _writes(_aliases(node)))
+
+
 def written_later(node: fx.Node) -> bool:
     """Is ``node``'s memory written in place and then read through ``node`` or a view of it, so
     that what its readers see is not its own expression? ``keep = ones(M, N).tril();
     keep[:7] = False`` writes through a view and then reads ``keep``. An update the program
     goes on through (``s *= c``, also on a view of a product: tracing makes the later readers
     read the in-place op's node, whose rule evaluates the update) is not such a write."""
-    aliases, todo = [node], [node]
-    while todo:         # node and its views (schema: the result aliases the first argument)
-        views = [u for u in _users_on_first(todo.pop()) if _compat.first_argument_alias(u.target) == "view"]
-        aliases += views
-        todo += views
-    writes = [u for a in aliases for u in _users_on_first(a) if _compat.first_argument_alias(u.target) == "write"]
+    aliases = _aliases(node)
+    writes = _writes(aliases)
     if not writes:
         return False
     order = {n: i for i, n in enumerate(node.graph.nodes)}
