@@ -83,7 +83,7 @@ def capture(mod, b: int, h: int, n: int, d: int):
         [(s.shape, torch.empty(s.shape, device="meta").stride(), s.dtype) for s in c.region.inputs]
     for shape, stride, dtype in layouts:
         y = torch.empty_strided(shape, stride, dtype=dtype)
-        inputs.append(y.normal_() if y.is_floating_point() else y.random_(0, 12))
+        inputs.append(y.normal_() if y.is_floating_point() else y.random_(0, 2 if y.dtype == torch.bool else 12))
     return c, inputs
 
 

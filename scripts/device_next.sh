@@ -1,3 +1,7 @@
+# Session 20 (run): R1 (~8 min: GPU tests, ALiBi forward A/B against .s19 = 85e2075), R2 (~7 min:
+#   the training table, ALiBi's training rows at 85e2075, RoPE A/B), then F if time is left.
+#   Prepare the old tree first: git archive 85e2075 | (mkdir -p .s19 && tar -x -C .s19)
+#   run(command="bash scripts/device_next.sh R1", carry=[".s19"])
 # Session 20's plan (written in session 19; docs/notes.md "Session 19"). Session 19 ran N1-N5, three
 # of them on H100s: the H200 numbers of this code are still to take.
 #   P1 (~8 min): the GPU tests in full (the new Gluon-forward guard; RoPE is now a variant), then
@@ -106,6 +110,36 @@ P1)  # session 20 (plan above)
   ;;
 P2)
   bash "$0" F
+  ;;
+R1)  # session 20: the GPU tests in full, then ALiBi's relative-position split (codegen.emit.relative_positions)
+    # against the code before it (85e2075, .s19 carried), forward, D=128, same call
+  timeout -k 10 370 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
+    | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  timeout -k 10 80 python3 -m benchmarks.run --suite flex --only alibi,causal --dims 128 --backends flashlight,flex \
+    --no-plots --time-limit 65 --out $OUT/alibi_fwd > $OUT/alibi_fwd.txt 2>&1
+  echo "alibi fwd rc $?"; tail -9 $OUT/alibi_fwd.txt | cut -c1-150
+  (cd .s19 && PYTHONPATH=. timeout -k 10 60 python3 -m benchmarks.run --suite flex --only alibi --dims 128 --backends flashlight \
+    --no-plots --time-limit 45 --out $OUT/alibi_fwd_s19 > $OUT/alibi_fwd_s19.txt 2>&1)
+  echo "alibi fwd at 85e2075 rc $?"; tail -6 $OUT/alibi_fwd_s19.txt | cut -c1-150
+  ;;
+R2)  # session 20: issue #5's training table at this code, ALiBi's rows at 85e2075 (.s19), then N5 (RoPE A/B)
+  timeout -k 10 150 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 130 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -12 $OUT/training.txt | cut -c1-170
+  (cd .s19 && PYTHONPATH=. timeout -k 10 80 python3 -m benchmarks.run --suite training --only alibi --backends flashlight \
+    --no-plots --time-limit 65 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
+  echo "training alibi at 85e2075 rc $?"; tail -6 $OUT/training_s19.txt | cut -c1-150
+  bash "$0" N5
+  ;;
+Q1)  # session 20: P1 split to fit a call's 600 s: the GPU tests in full, then N5 (RoPE A/B)
+  timeout -k 10 370 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
+    | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  bash "$0" N5
+  ;;
+Q2)  # session 20: issue #5's training table at the final code
+  timeout -k 10 150 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 130 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -12 $OUT/training.txt | cut -c1-170
   ;;
 N2)
   FLASHLIGHT_ATOMIC_DQ=1 timeout -k 10 140 python3 -m benchmarks.backward_configs --variants alibi,document_mask \

@@ -34,7 +34,7 @@ from ..ir.derivative import ZERO, not_differentiable, tile, vjp
 from ..ir.expr import BINDS, children
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
-from .emit import Block, CodegenError, Ctx, Emitter, prelude
+from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, extra_seeds, grad_plan, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
                      batch_index, block_loops, dk_chunks, dv_state, full_tile, key_block, operand_dtype, out_offsets,
@@ -293,7 +293,8 @@ class LoopEmitter(Emitter):
         self.axis = axis
 
     def variant(self, e: Expr) -> bool:
-        return (self.axis in free_vars(e) or bool(refs(e, "dot") or refs(e, "tile"))
+        fv = free_vars(e)
+        return (self.axis in fv or (self.axis == "n" and KEY_START in fv) or bool(refs(e, "dot") or refs(e, "tile"))
                 or (self.axis == "m" and bool(refs(e, "red"))))
 
 

@@ -31,7 +31,7 @@ from ..ir import Region, const, free_vars, refs, substitute, walk
 from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, full_body, useful
 from .emit import HELPERS as TRITON_HELPERS
-from .emit import TRITON, Block, CodegenError, Ctx
+from .emit import TRITON, Block, CodegenError, Ctx, jump_reads, max_terms
 from .kernel import NEG_INF, KernelWriter, batch_index, operand_dtype, out_offsets, positive_scale
 
 BLOCK_M = 128        # query rows per program: two warpgroups of 64
@@ -57,6 +57,8 @@ def q_ctx(w: int) -> Ctx:
 # block's columns; the epilogue rebinds them to the output tile's
 GCTX_S = Ctx("s", vars={"m": "offs_m[:, None]", "n": "offs_n[None, :]"},
              masks={"m": "mask_m[:, None]", "n": "mask_n[None, :]"}, key_start="start_n")
+# the score tile's rows as a vector (a per-row term of a row max: ``emit.max_terms``)
+GCTX_ROW = Ctx("srow", vars={"m": "offs_m"}, masks={"m": "mask_m"}, key_start="start_n")
 GCTX_O = Ctx("o", vars={"m": "offs_m[:, None]", "dv": "offs_dv[None, :]"},
              masks={"m": "mask_m[:, None]", "dv": "mask_dv[None, :]"})
 
@@ -306,10 +308,14 @@ class GluonWriter(KernelWriter):
         em.loop_reds = {0, 1, 2}
         mbody, sbody = (full_body(mx.body), full_body(sm.body)) if full else (mx.body, sm.body)
         inner, scale = positive_scale(mbody)
+        inner, rows = max_terms(inner, exact=0 in jump_reads(r.exprs()))
         e = em.emit(inner, GCTX_S, loop)
         if not full:
             e = f"tl.where(mask_n[None, :], {e}, {NEG_INF})"
-        row_max = f"tl.max({e}, 1)" + (f" * {scale!r}" if scale != 1.0 else "")
+        row_max = f"tl.max({e}, 1)"
+        if rows is not None:        # the per-row terms as a vector of the rows' layout
+            row_max = f"({row_max} + {em.emit(rows, GCTX_ROW, loop)})"
+        row_max += f" * {scale!r}" if scale != 1.0 else ""
         loop.lines += [f"m_new = tl.maximum(m_i, {row_max})",
                        f"m_safe = tl.where(m_new == {NEG_INF}, 0.0, m_new)  # exp(-inf - 0) = 0, not NaN",
                        "alpha = tl.exp2(m_i - m_safe)"]

@@ -51,8 +51,13 @@ BLOCKS = {"dkdv": (RING, 2 * WG), "dq": (2 * WG, RING)}
 STAGES = 2
 MAXNREG = 168        # as the forward: 240 registers per compute thread, 24 for the loader
 
-# a compute warpgroup's score tile: [keys, queries] in the dK/dV kernel, [queries, keys] in dQ's
-GCTX_ST = Ctx("gst", vars={"n": "offs_n[:, None]", "m": "offs_m[None, :]"}, masks={}, key_start="start_n")
+# a compute warpgroup's score tile: [keys, queries] in the dK/dV kernel, [queries, keys] in dQ's.
+# The dK/dV kernel's expressions stay as the region writes them (``terms`` off): there
+# ``emit.score_terms`` cut ALiBi's FP32 ops (offline sm_90 SASS at D=128: 900 -> 712), but the
+# kernel, at its register limit, went from 43 to 75 spill stores, most in its loop. In dQ's:
+# 900 -> 716 and no spills either way.
+GCTX_ST = Ctx("gst", vars={"n": "offs_n[:, None]", "m": "offs_m[None, :]"}, masks={}, key_start="start_n",
+              terms=False)
 GCTX_S = Ctx("gs", vars={"m": "offs_m[:, None]", "n": "offs_n[None, :]"}, masks={}, key_start="start_n")
 
 

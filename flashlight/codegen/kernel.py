@@ -11,7 +11,7 @@ import torch
 from ..ir import Expr, Region, call, free_vars, refs, walk
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
-from .emit import Block, CodegenError, Ctx, Emitter, prelude
+from .emit import Block, CodegenError, Ctx, Emitter, jump_reads, max_terms, prelude
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 NEG_INF = 'float("-inf")'
@@ -363,8 +363,12 @@ class KernelWriter:
             if red.kind != "max":
                 continue
             inner, scale = positive_scale(bodies[j])
+            inner, rows = max_terms(inner, exact=j in jump_reads(r.exprs()))
             body = bound(em.emit(inner, CTX_S, loop), NEG_INF)
-            row_max = f"tl.max({body}, 1, keep_dims=True)" + (f" * {scale!r}" if scale != 1.0 else "")
+            row_max = f"tl.max({body}, 1, keep_dims=True)"
+            if rows is not None:
+                row_max = f"({row_max} + {em.emit(rows, CTX_S, loop)})"
+            row_max += f" * {scale!r}" if scale != 1.0 else ""
             loop.lines += [
                 f"r{j}_new = tl.maximum(r{j}, {row_max})",
                 f"r{j}_safe = tl.where(r{j}_new == {NEG_INF}, 0.0, r{j}_new)  # exp(-inf - 0) = 0, not NaN",

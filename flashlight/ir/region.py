@@ -100,6 +100,11 @@ class Region:
     def batch_vars(self) -> tuple[str, ...]:
         return tuple(f"b{i}" for i in range(len(self.batch)))
 
+    def exprs(self) -> list[Expr]:
+        """The output, the row outputs, and the reductions' bodies and extra elements."""
+        reds = [x for red in self.reductions for x in (red.body, red.extra) if x is not None]
+        return [self.out, *(row.expr for row in self.rows), *reds]
+
     def passes(self) -> list[list[int]]:
         """Group reductions into passes over N (see rewrite.assign_passes)."""
         level: list[int] = []
