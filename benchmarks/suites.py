@@ -154,9 +154,11 @@ SPARSITY_VARIANTS = ["causal", "sliding_256", "prefix_lm_256", "document_12"]
 # the document mask as models spell it (SDPA with a mask built in the program): what torch.compile
 # gives today (Inductor builds the mask, SDPA reads it) against the fused program and Flex
 SDPA_VARIANTS = [("document_12_sdpa", "sdpa_document", ())]
-OTHER_BEYOND = ["gated", "hand_softmax", "relu_attention", "sigmoid_attention", "relative_position", "rope"]
-TRAINING_VARIANTS = [("causal", "causal"), ("alibi", "alibi"), ("document_12", "document_mask"),
-                     ("diff_attention", "diff_attention"), ("rope", "rope")]
+OTHER_BEYOND = [(n, n, ()) for n in ["gated", "hand_softmax", "relu_attention", "sigmoid_attention",
+                                      "relative_position", "rope"]] + [("rope_gqa_4", "rope", (("group", 4),))]
+TRAINING_VARIANTS = [("causal", "causal", ()), ("alibi", "alibi", ()), ("document_12", "document_mask", ()),
+                     ("diff_attention", "diff_attention", ()), ("rope", "rope", ()),
+                     ("rope_gqa_4", "rope", (("group", 4),))]     # Llama: RoPE, then K/V repeated
 DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_alibi")]
 
 FLEX_BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "inductor")
@@ -224,12 +226,11 @@ def cases(suite: str, size: str = "full") -> list[Case]:
                      backends=BEYOND_BACKENDS) for (B, N) in s.bn for D in s.dims]
         evo = [Case("beyond", "evoformer", "evoformer", B, 4 if size != "tiny" else 2, s.evo_r, s.evo_r, C,
                     extra=(("S", s.evo_s),), backends=BEYOND_BACKENDS) for B in s.evo_b for C in s.evo_c]
-        others = _grid("beyond", [(n, n, ()) for n in OTHER_BEYOND], s.other_bn, s.other_dims, s.heads,
-                       BEYOND_BACKENDS)
+        others = _grid("beyond", OTHER_BEYOND, s.other_bn, s.other_dims, s.heads, BEYOND_BACKENDS)
         return diff + evo + others
     if suite == "training":
-        return _grid("training", [(n, p, ()) for n, p in TRAINING_VARIANTS], s.train_bn, s.train_dims,
-                     s.heads, TRAINING_BACKENDS, mode="fwd+bwd")
+        return _grid("training", TRAINING_VARIANTS, s.train_bn, s.train_dims, s.heads, TRAINING_BACKENDS,
+                     mode="fwd+bwd")
     if suite == "decode":
         return [Case("decode", name, prog, s.decode_b, s.decode_h, 1, N, s.decode_d,
                      extra=(("kv_heads", s.decode_kv_heads),), backends=DECODE_BACKENDS)

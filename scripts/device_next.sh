@@ -1,5 +1,6 @@
-# Session 20 (run): R1 (~8 min: GPU tests, ALiBi forward A/B against .s19 = 85e2075), R2 (~7 min:
-#   the training table, ALiBi's training rows at 85e2075, RoPE A/B), then F if time is left.
+# Session 21's plan (session 20 had no device; docs/notes.md "Session 20"): R1 (~8 min: GPU tests,
+#   ALiBi's forward against .s19 = 85e2075), R2 (~8 min: the training table, ALiBi's training rows at
+#   85e2075, the K/V-leaf A/B on RoPE and RoPE + GQA), then F (the flex suite) if time is left.
 #   Prepare the old tree first: git archive 85e2075 | (mkdir -p .s19 && tar -x -C .s19)
 #   run(command="bash scripts/device_next.sh R1", carry=[".s19"])
 # Session 20's plan (written in session 19; docs/notes.md "Session 19"). Session 19 ran N1-N5, three
@@ -122,14 +123,19 @@ R1)  # session 20: the GPU tests in full, then ALiBi's relative-position split (
     --no-plots --time-limit 45 --out $OUT/alibi_fwd_s19 > $OUT/alibi_fwd_s19.txt 2>&1)
   echo "alibi fwd at 85e2075 rc $?"; tail -6 $OUT/alibi_fwd_s19.txt | cut -c1-150
   ;;
-R2)  # session 20: issue #5's training table at this code, ALiBi's rows at 85e2075 (.s19), then N5 (RoPE A/B)
-  timeout -k 10 150 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
-    --no-plots --time-limit 130 --out $OUT/training > $OUT/training.txt 2>&1
-  echo "training rc $?"; tail -12 $OUT/training.txt | cut -c1-170
+R2)  # session 20: issue #5's training table at this code (RoPE and Llama's RoPE + GQA rows too), ALiBi's
+    # rows at 85e2075 (.s19), then the K/V-leaf A/B on RoPE and RoPE + GQA (rope_gqa_4: the leaf is k at
+    # its 4 K/V heads, against the rotation in the kernel on the repeated k)
+  timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
   (cd .s19 && PYTHONPATH=. timeout -k 10 80 python3 -m benchmarks.run --suite training --only alibi --backends flashlight \
     --no-plots --time-limit 65 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
   echo "training alibi at 85e2075 rc $?"; tail -6 $OUT/training_s19.txt | cut -c1-150
-  bash "$0" N5
+  timeout -k 10 200 python3 -m benchmarks.run --suite beyond --only rope,rope_gqa_4 \
+    --backends flashlight,flashlight_b,inductor --b-env FLASHLIGHT_KV_LEAVES=0 \
+    --no-plots --time-limit 180 --out $OUT/rope > $OUT/rope.txt 2>&1
+  echo "rope rc $?"; tail -8 $OUT/rope.txt | cut -c1-150
   ;;
 Q1)  # session 20: P1 split to fit a call's 600 s: the GPU tests in full, then N5 (RoPE A/B)
   timeout -k 10 370 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \

@@ -97,7 +97,7 @@ def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
     TILE.setdefault(name, (rows, cols, shape.replace(f"BLOCK_{dim.upper()}", str(width))))
     return Ctx(name, vars={**base.vars, dim: f"({off} + tl.arange(0, {width})){axis}"},
                masks={v: m for v, m in base.masks.items() if v != dim}, key_start=base.key_start,
-               blocks={**base.blocks, dim: (str(off), str(width))})
+               blocks={**base.blocks, dim: (str(off), str(width))}, terms=base.terms)
 
 
 def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, it: str) -> list[str]:
