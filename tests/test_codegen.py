@@ -183,3 +183,43 @@ def test_relative_positions_stay_as_written_below_jumps():
     q, k, v = torch.randn(1, 1, 64, 16), torch.randn(1, 1, 64, 16), torch.randn(1, 1, 64, 16)
     for fn in (bucketed, compared):
         check_fused(fn, q, k, v, tol=1e-6)
+
+
+def test_score_terms_keep_what_eager_computes():
+    """Found by a review of ``emit.score_terms``, each wrong with its first version:
+    - hard attention ``s >= s.amax(-1)`` with ALiBi: the max, taken over the split terms,
+      rounded apart from the compared scores, and rows matched no key (NaN);
+    - absolute positions ``n + P``, ``m + P``: each term was rounded at the size of P (relative
+      error 5e-4 at P = 1e5); the reference position now takes the key's constant, and P
+      cancels in integers;
+    - a per-row bias of -1e30 on some rows: moved out of the scores it no longer absorbed them,
+      and the rows were softmax(s) where eager's (and float64's) are uniform (error 0.62)."""
+    from helpers import check_fused, check_grads
+
+    def slopes(H):
+        return 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+
+    def hard(q, k, v):
+        dist = torch.arange(k.shape[-2])[None, :] - torch.arange(q.shape[-2])[:, None]
+        s = q @ k.mT * 0.25 + slopes(q.shape[1])[:, None, None] * dist
+        w = (s >= s.amax(-1, keepdim=True)).to(q.dtype)
+        return (w @ v) / w.sum(-1, keepdim=True)
+
+    def absolute(q, k, v):
+        P = 100_000
+        dist = torch.arange(P, P + k.shape[-2])[None, :] - torch.arange(P, P + q.shape[-2])[:, None]
+        s = q @ k.mT * 0.25 + slopes(q.shape[1])[:, None, None] * dist.float()
+        return torch.softmax(s.masked_fill(dist > 0, float("-inf")), -1) @ v
+
+    def padded_rows(q, k, v, qb):
+        return torch.softmax(q @ k.mT * 0.25 + qb, -1) @ v
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 12, 64, 16), torch.randn(1, 12, 64, 16), torch.randn(1, 12, 64, 16)
+    check_fused(hard, q, k, v, tol=1e-6)
+    check_fused(absolute, q, k, v, tol=1e-6)
+    qb = torch.randn(1, 12, 64, 1)
+    qb[:, :, 32:] = -1e30
+    check_fused(padded_rows, q, k, v, qb, tol=1e-6)
+    qb2 = qb[:, :2].contiguous()      # its own gradient is 0 analytically (a per-row bias under softmax)
+    check_grads(lambda q, k, v: padded_rows(q, k, v, qb2), (q[:, :2], k[:, :2], v[:, :2]))

@@ -1,10 +1,11 @@
 """Expression emission: region IR -> Triton expressions, with CSE and loop-invariant hoisting."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from ..ir import Expr, call, free_vars, refs, var, walk
+from ..ir import Expr, call, const, free_vars, refs, var, walk
 
 
 class CodegenError(Exception):
@@ -121,14 +122,16 @@ def const_str(e: Expr) -> str:
 KEY_START = "n0"
 
 
-def _position(e: Expr) -> str | None:
-    """``m`` or ``n`` where ``e`` is that index plus an integer constant (queries placed at the
-    end of the keys: ``m + N - M``), else None."""
+def _position(e: Expr) -> tuple[str, int] | None:
+    """(``m`` or ``n``, c) where ``e`` is that index plus an integer constant c (queries placed
+    at the end of the keys: ``m + N - M``; absolute positions: ``n + P``), else None."""
     if e.op == "var":
-        return e.args[0] if e.args[0] in ("m", "n") else None
+        return (e.args[0], 0) if e.args[0] in ("m", "n") else None
     if e.op in ("add", "sub") and e.kind == "i":
         x, c = e.args if e.args[1].op == "const" else e.args[::-1] if e.op == "add" else (None, None)
-        return _position(x) if x is not None and c.op == "const" else None
+        inner = _position(x) if x is not None and c.op == "const" else None
+        if inner is not None:
+            return inner[0], inner[1] + (c.args[0] if e.op == "add" else -c.args[0])
     return None
 
 
@@ -142,19 +145,24 @@ def _difference(e: Expr) -> tuple[Expr, Expr] | None:
         a, b = e.args[0].args
     else:
         return None
-    return (a, b) if {_position(a), _position(b)} == {"m", "n"} else None
+    pa, pb = _position(a), _position(b)
+    return (a, b) if pa is not None and pb is not None and {pa[0], pb[0]} == {"m", "n"} else None
 
 
 def _relative(e: Expr) -> Expr | None:
-    """``(a - b) * c`` (ALiBi's ``slope * (n - m)``) as ``(a - n0) * c - (b - n0) * c``, n0 the
-    key block's first index (``KEY_START``), where ``c`` does not vary over the tile; else None."""
+    """``(a - b) * c`` (ALiBi's ``slope * (n - m)``) as ``(a - r) * c - (b - r) * c``, where ``c``
+    does not vary over the tile and r is the key block's first position: n0 (``KEY_START``)
+    plus the key position's constant, so that the key's term is ``(n - n0) * c`` and a shared
+    offset (absolute positions ``n + P``, ``m + P``) cancels in integers; else None."""
     if e.op != "mul" or e.kind != "f":
         return None
     for d, c in (e.args, e.args[::-1]):
         ab = _difference(d)
         if ab is not None and all(v.startswith("b") for v in free_vars(c)) \
                 and not (refs(c, "dot") or refs(c, "red") or refs(c, "tile")):
-            a, b = (call("mul", call("to_f", call("sub", x, var(KEY_START))), c) for x in ab)
+            key = next(p for p in map(_position, ab) if p[0] == "n")
+            ref = var(KEY_START) if key[1] == 0 else call("add", var(KEY_START), const(key[1]))
+            a, b = (call("mul", call("to_f", call("sub", x, ref)), c) for x in ab)
             return call("sub", a, b)
     return None
 
@@ -182,10 +190,18 @@ def _per_row(e: Expr) -> bool:
     return "n" not in free_vars(e) and not (refs(e, "dot") or refs(e, "tile"))
 
 
+def _query_term(e: Expr) -> bool:
+    """Is ``e`` the query's term of a split relative position (``_relative``): per row, and
+    bounded by the distance to the key block times the factor? A per-row term of any size (a
+    bias that is -1e30 on padded rows) stays with the scores: moved, it would no longer absorb
+    them as eager's sum does, and the row would not come out uniform as eager's does."""
+    return KEY_START in free_vars(e) and _per_row(e)
+
+
 def row_terms(e: Expr) -> tuple[Expr, list[tuple[int, Expr]]] | None:
-    """(t, rows) with ``e`` == t + rows' sum, ``rows`` the per-row terms of e's additive chain
-    (``_per_row``; ALiBi's split ``(m - n0) * c``), looking through a mask that fills with
-    -inf (t keeps the mask); None where e has no per-row term or nothing else. A row max of e
+    """(t, rows) with ``e`` == t + rows' sum, ``rows`` the query terms of split relative
+    positions in e's additive chain (``_query_term``), looking through a mask that fills with
+    -inf (t keeps the mask); None where e has no such term or nothing else. A row max of e
     is the row max of t plus the rows' sum, and ``e - x`` for a per-row x is ``t - (x - rows)``:
     one subtraction per score for the row's terms and its shift together."""
     if e.op == "where":
@@ -197,8 +213,8 @@ def row_terms(e: Expr) -> tuple[Expr, list[tuple[int, Expr]]] | None:
                     return call("where", *(split[0] if k == i else x for k, x in enumerate(e.args))), split[1]
         return None
     terms = _terms(e)
-    rows = [(sign, t) for sign, t in terms if _per_row(t)]
-    rest = [(sign, t) for sign, t in terms if not _per_row(t)]
+    rows = [(sign, t) for sign, t in terms if _query_term(t)]
+    rest = [(sign, t) for sign, t in terms if not _query_term(t)]
     return (_total(rest), rows) if rows and rest else None
 
 
@@ -251,13 +267,20 @@ def jump_reads(exprs) -> frozenset[int]:
     return frozenset(found)
 
 
-def max_terms(e: Expr, exact: bool = False) -> tuple[Expr, Expr | None]:
+def max_terms(e: Expr) -> tuple[Expr, Expr | None]:
     """A row max's body as (t, r): the row max of ``e`` is the row max of ``t`` plus ``r``
-    (``row_terms``; r None where e has no per-row term or the max must be ``exact``: one that
-    the region compares, ``jump_reads``). The shifted scores then read ``t``, as
-    ``score_terms`` writes them; a max used only as a shift may round differently."""
-    split = None if exact else row_terms(relative_positions(e))
+    (``row_terms``; r None where e has no such term). The shifted scores then read ``t``, as
+    ``score_terms`` writes them. Only for a max used as a shift, which may round differently
+    from eager's; one that the region compares (``jump_reads``) is emitted as written, under
+    ``plain``."""
+    split = row_terms(relative_positions(e))
     return (e, None) if split is None else (split[0], _total(split[1]))
+
+
+def plain(ctx: "Ctx") -> "Ctx":
+    """``ctx`` with its expressions emitted as written (no ``score_terms``): a pass whose max
+    the region compares with its scores (``s >= s.amax(-1)``) computes both the same way."""
+    return dataclasses.replace(ctx, terms=False)
 
 
 def score_terms(e: Expr) -> Expr:

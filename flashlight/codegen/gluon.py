@@ -31,7 +31,7 @@ from ..ir import Region, const, free_vars, refs, substitute, walk
 from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, full_body, useful
 from .emit import HELPERS as TRITON_HELPERS
-from .emit import TRITON, Block, CodegenError, Ctx, jump_reads, max_terms
+from .emit import TRITON, Block, CodegenError, Ctx, jump_reads, max_terms, plain
 from .kernel import NEG_INF, KernelWriter, batch_index, operand_dtype, out_offsets, positive_scale
 
 BLOCK_M = 128        # query rows per program: two warpgroups of 64
@@ -308,8 +308,10 @@ class GluonWriter(KernelWriter):
         em.loop_reds = {0, 1, 2}
         mbody, sbody = (full_body(mx.body), full_body(sm.body)) if full else (mx.body, sm.body)
         inner, scale = positive_scale(mbody)
-        inner, rows = max_terms(inner, exact=0 in jump_reads(r.exprs()))
-        e = em.emit(inner, GCTX_S, loop)
+        exact = 0 in jump_reads(r.exprs())     # the region compares the max: scores as written
+        sctx = plain(GCTX_S) if exact else GCTX_S
+        inner, rows = max_terms(inner) if not exact else (inner, None)
+        e = em.emit(inner, sctx, loop)
         if not full:
             e = f"tl.where(mask_n[None, :], {e}, {NEG_INF})"
         row_max = f"tl.max({e}, 1)"
@@ -320,7 +322,7 @@ class GluonWriter(KernelWriter):
                        f"m_safe = tl.where(m_new == {NEG_INF}, 0.0, m_new)  # exp(-inf - 0) = 0, not NaN",
                        "alpha = tl.exp2(m_i - m_safe)"]
         em.red_names[0] = "m_safe[:, None]"
-        p = em.emit(sbody, GCTX_S, loop)
+        p = em.emit(sbody, sctx, loop)
         if not full:
             p = f"tl.where(mask_n[None, :], {p}, 0.0)"
         loop.lines += [f"p_f32 = {p}", "l_i = l_i * alpha + tl.sum(p_f32, 1)", "m_i = m_new"]

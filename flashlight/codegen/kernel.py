@@ -11,7 +11,7 @@ import torch
 from ..ir import Expr, Region, call, free_vars, refs, walk
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
-from .emit import Block, CodegenError, Ctx, Emitter, jump_reads, max_terms, prelude
+from .emit import Block, CodegenError, Ctx, Emitter, jump_reads, max_terms, plain, prelude
 
 TL_DTYPE = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32"}
 NEG_INF = 'float("-inf")'
@@ -359,15 +359,19 @@ class KernelWriter:
                 self.score_dot(i, CTX_Q, CTX_K, loop)
             em.dot_names[i] = f"qk{i}"
         bound = (lambda x, _: x) if full else (lambda x, ident: f"tl.where(mask_n[None, :], {x}, {ident})")
+        # a max the region compares is computed from the scores as written, and so are the sums
+        # of its pass, which then share those scores (emit.max_terms)
+        exact = jump_reads(r.exprs()) & set(members)
+        sctx = plain(CTX_S) if exact else CTX_S
         for j, red in reds:      # running maxima first: the others rescale by them
             if red.kind != "max":
                 continue
             inner, scale = positive_scale(bodies[j])
-            inner, rows = max_terms(inner, exact=j in jump_reads(r.exprs()))
-            body = bound(em.emit(inner, CTX_S, loop), NEG_INF)
+            inner, rows = max_terms(inner) if not exact else (inner, None)
+            body = bound(em.emit(inner, sctx, loop), NEG_INF)
             row_max = f"tl.max({body}, 1, keep_dims=True)"
             if rows is not None:
-                row_max = f"({row_max} + {em.emit(rows, CTX_S, loop)})"
+                row_max = f"({row_max} + {em.emit(rows, sctx, loop)})"
             row_max += f" * {scale!r}" if scale != 1.0 else ""
             loop.lines += [
                 f"r{j}_new = tl.maximum(r{j}, {row_max})",
@@ -378,7 +382,7 @@ class KernelWriter:
         for j, red in reds:
             if red.kind == "max":
                 continue
-            contrib = bound(em.emit(bodies[j], CTX_S, loop), "0.0")
+            contrib = bound(em.emit(bodies[j], sctx, loop), "0.0")
             scaled = f"r{j} * alpha{red.online}" if red.online is not None else f"r{j}"
             if red.kind == "sum":
                 loop.lines.append(f"r{j} = {scaled} + tl.sum({contrib}, 1, keep_dims=True)")
@@ -388,7 +392,7 @@ class KernelWriter:
                     v, vdt = self.dot_operand(red.v, vctx, loop)
                     if p is None:
                         p = em.fresh("p")
-                        loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], CTX_S, r)}.to({TL_DTYPE[vdt]})")
+                        loop.lines.append(f"{p} = {full_tile(contrib, bodies[j], sctx, r)}.to({TL_DTYPE[vdt]})")
                     acc = dv_state(j, octx)
                     scaled = f"{acc} * alpha{red.online}" if red.online is not None else acc
                     loop.lines.append(f"{acc} = {self.tl_dot(p, v, vdt, acc=scaled)}")
