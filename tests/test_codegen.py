@@ -128,15 +128,15 @@ def test_only_operands_that_can_blow_up_at_zero_are_masked():
     assert "tl.where(mask_m" in score_line(lambda x: call("div", x, load(3, (var("b0"), var("m")), "f")))
 
 
-@pytest.mark.parametrize("slope", [0.5, 0.7, 2.0 ** -13])
+@pytest.mark.parametrize("slope", [0.7, 2.0 ** -13])
 def test_relative_position_terms_split_per_axis(slope):
     """ALiBi's ``slope * (n - m)``, queries at the end of the keys (``m + N - M``), is emitted as
     ``(n - n0) * slope`` along the keys minus ``(m + N - M - n0) * slope`` along the queries, n0
     the key block's first index (``emit.relative_positions``), and the per-row term joins the
     row max after the reduction and the softmax shift before the subtraction (``emit.score_terms``):
     a score pays a multiply-add and the shift's subtraction, as causal's does. Each term is
-    rounded at the size of its distance to n0, so over 3000 keys, at steep, inexact (0.7) and
-    nearly flat slopes, the output and the gradients stay as close to float64 as eager's fp32
+    rounded at the size of its distance to n0, so over 3000 keys, at a steep inexact (0.7) and
+    a nearly flat slope, the output and the gradients stay as close to float64 as eager's fp32
     (measured: 1.4-3.8e-7 against eager's 0.9-3.8e-7)."""
     import re
     from flashlight.runtime.op import REGISTRY
