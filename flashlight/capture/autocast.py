@@ -117,8 +117,8 @@ def _cast(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, movable: bool = True)
     arithmetic. Not ``movable`` (the graph writes in place or switches grad mode): cast as it
     comes."""
     chain = [x]
-    while movable and moved(chain[-1]) is not None and _size(moved(chain[-1])) <= _size(chain[-1]) < math.inf:
-        chain.append(moved(chain[-1]))
+    while movable and (x := moved(chain[-1])) is not None and _size(x) <= _size(chain[-1]) < math.inf:
+        chain.append(x)
     base = chain.pop()
     out = graph.call_function(aten._to_copy.default, (base,), {"dtype": dtype})
     out.meta.update(base.meta)

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import Expr, Input, Region, Row, const, free_vars, refs, walk
+from ..ir.expr import JUMPS
 from .autocast import CASTS
 from .epilogue import CONTRACTIONS, extend, packet
 from .ranges import check_integer_ranges
@@ -146,8 +147,7 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
 
 # Ops of the scores whose value jumps (comparisons, rounding, casts to integer or boolean) or,
 # in training, whose derivative jumps (kinks), at some score value.
-JUMPS = ("eq", "ne", "lt", "le", "gt", "ge", "sign", "floor", "ceil", "round", "to_i", "to_b", "floordiv", "mod")
-KINKS = ("relu", "abs", "maximum", "minimum")
+KINKS = frozenset({"relu", "abs", "maximum", "minimum"})
 PRODUCTS = {aten.matmul, aten.bmm, aten.einsum, aten.baddbmm, aten.mm, aten.addmm, aten.linear}
 
 
@@ -175,7 +175,7 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
             copies[i] = any(packet(n) in PRODUCTS and any(ops <= {n} | _upstream({n}) for ops in operands)
                             for n in {leaves[i]} | _upstream({leaves[i]}))
         return copies[i]
-    ops = JUMPS + (KINKS if differentiated else ())
+    ops = JUMPS | KINKS if differentiated else JUMPS
     memo: dict[int, tuple[bool, frozenset[int]]] = {}
 
     def reach(e: Expr) -> tuple[bool, frozenset[int]]:
@@ -212,8 +212,8 @@ def _source(n: fx.Node) -> fx.Node:
     while True:
         if n.op == "call_function" and n.target in CASTS and n.args and isinstance(n.args[0], fx.Node):
             n = n.args[0]
-        elif moved(n, narrowing=False) is not None:     # a slice of a packed qkv is not qkv
-            n = moved(n, narrowing=False)
+        elif (x := moved(n, narrowing=False)) is not None:     # a slice of a packed qkv is not qkv
+            n = x
         else:
             return n
 

@@ -561,11 +561,10 @@ def key_operand(b: Builder, y: fx.Node | None, sy: Sym, idx: Idx, wrap: Callable
     if y is None or len(loads) < 2 or os.environ.get("FLASHLIGHT_KV_LEAVES", "1") == "0":
         return e
     chain, src = [], y
-    while moved(src) is not None:
-        if written_after(moved(src), src):
-            break       # a copy (repeat_interleave, clone, a reshape's) of a tensor written later: load it
+    # stop at a copy (repeat_interleave, clone, a reshape's) of a tensor written later: load the copy
+    while (x := moved(src)) is not None and not written_after(x, src):
         chain.append(src)
-        src = moved(src)
+        src = x
     if src.op != "call_function" or meta(src) is None or not meta(src).is_floating_point():
         return e
     b.restore(saved)        # the trial's leaves are not the kernel's

@@ -129,8 +129,11 @@ def _writes(aliases: list[fx.Node]) -> list[fx.Node]:
 def written_after(node: fx.Node, after: fx.Node) -> bool:
     """Is ``node``'s memory written in place (through it or a view) after ``after`` in the
     graph? A copy made at ``after`` then holds values that ``node`` no longer does."""
+    writes = _writes(_aliases(node))
+    if not writes:
+        return False
     order = {n: i for i, n in enumerate(node.graph.nodes)}
-    return any(order[w] > order[after] for w in _writes(_aliases(node)))
+    return any(order[w] > order[after] for w in writes)
 
 
 def written_later(node: fx.Node) -> bool:

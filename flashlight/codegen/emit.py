@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..ir import Expr, call, const, free_vars, refs, var, walk
+from ..ir.expr import JUMPS
 
 
 class CodegenError(Exception):
@@ -229,16 +230,11 @@ def _shift(e: Expr) -> Expr | None:
     return call("sub", t, _total([(-sign, r) for sign, r in rows], base=e.args[1]))
 
 
-# float ops whose value jumps: below them a rewrite's rounding could flip the result
-# (``floor(slope * (n - m))``, a comparison of a distance), so ``_smooth`` leaves them as written
-JUMPS = frozenset({"floor", "ceil", "round", "sign", "floordiv", "mod"})
-
-
 def _smooth(e: Expr, fn) -> Expr:
     """``e`` with ``fn``'s replacements (top-down, each node's result kept) in its float
-    arithmetic, but not below an op that jumps (``JUMPS``, comparisons and conversions to
-    integers or bools: whatever is not a float) nor in loads' indices: there eager's rounding
-    must be kept bit for bit."""
+    arithmetic, but not below an op that jumps (``ir.expr.JUMPS``: ``floor(slope * (n - m))``,
+    a comparison of a distance) nor in loads' indices: there eager's rounding must be kept bit
+    for bit."""
     memo: dict[Expr, Expr] = {}
 
     def go(x: Expr) -> Expr:
@@ -257,8 +253,8 @@ def _smooth(e: Expr, fn) -> Expr:
 
 
 def jump_reads(exprs) -> frozenset[int]:
-    """The reductions that ``exprs`` read below an op that jumps (``JUMPS``, a comparison, a
-    conversion to an integer or a bool): ``s >= s.amax(-1)`` compares the row max itself."""
+    """The reductions that ``exprs`` read below an op that jumps (``ir.expr.JUMPS``, or any
+    other op with an integer or bool result): ``s >= s.amax(-1)`` compares the row max itself."""
     found: set[int] = set()
     for e in exprs:
         for x in walk(e):

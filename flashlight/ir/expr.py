@@ -109,6 +109,11 @@ POINTWISE: dict[str, tuple[int, str | None]] = {
     "rand16": (3, "i"),
 }
 BINDS: dict[str, frozenset[str]] = {"sum_dv": frozenset({"dv"})}   # op -> index vars it sums out
+# ops whose value jumps as their operands move continuously: comparisons, rounding, conversions
+# to integers or bools. Where a recomputed or re-associated value meets one, its rounding can
+# flip the result (capture's recomputed-threshold check, codegen's score rewrites).
+JUMPS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "sign", "floor", "ceil", "round", "to_i", "to_b",
+                   "floordiv", "mod"})
 
 
 def promote(*kinds: str) -> str:
