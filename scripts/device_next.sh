@@ -124,14 +124,14 @@ R1)  # session 20: the GPU tests in full, then ALiBi's relative-position split (
   echo "alibi fwd at 85e2075 rc $?"; tail -6 $OUT/alibi_fwd_s19.txt | cut -c1-150
   ;;
 R2)  # session 20: issue #5's training table at this code (RoPE and Llama's RoPE + GQA rows too), ALiBi's
-    # rows at 85e2075 (.s19), then the K/V-leaf A/B on RoPE and RoPE + GQA (rope_gqa_4: the leaf is k at
+    # rows and (session 21: DiffAttn's half-width heads stored, not atomic) DiffAttn's at 85e2075 (.s19), then the K/V-leaf A/B on RoPE and RoPE + GQA (rope_gqa_4: the leaf is k at
     # its 4 K/V heads, against the rotation in the kernel on the repeated k)
   timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
     --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
-  (cd .s19 && PYTHONPATH=. timeout -k 10 80 python3 -m benchmarks.run --suite training --only alibi --backends flashlight \
-    --no-plots --time-limit 65 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
-  echo "training alibi at 85e2075 rc $?"; tail -6 $OUT/training_s19.txt | cut -c1-150
+  (cd .s19 && PYTHONPATH=. timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention \
+    --backends flashlight --no-plots --time-limit 95 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
+  echo "training alibi, diff_attention at 85e2075 rc $?"; tail -8 $OUT/training_s19.txt | cut -c1-150
   timeout -k 10 200 python3 -m benchmarks.run --suite beyond --only rope,rope_gqa_4 \
     --backends flashlight,flashlight_b,inductor --b-env FLASHLIGHT_KV_LEAVES=0 \
     --no-plots --time-limit 180 --out $OUT/rope > $OUT/rope.txt 2>&1

@@ -179,6 +179,57 @@ def test_two_kernel_backward_stores_what_one_program_owns():
     check_grads(gqa.attention, inputs)
 
 
+B, N, H, D = 1, 21, 2, 16
+
+
+def _chunked(qkv):
+    """A packed qkv projection's output, [B, N, 3·H·D], cut into q, k and v (timm's chunk)."""
+    q, k, v = (t.view(B, N, H, D).transpose(1, 2) for t in qkv.chunk(3, -1))
+    return torch.softmax(q @ k.mT * D ** -0.5, -1) @ v
+
+
+def _chunked_q_twice(qkv):
+    """k's third is never read: its gradient is zero there."""
+    q, _, v = (t.view(B, N, H, D).transpose(1, 2) for t in qkv.chunk(3, -1))
+    return torch.softmax(q @ q.mT * D ** -0.5, -1) @ v
+
+
+def _chunked_gqa(qkv):
+    """One K/V head in the packed tensor, shared by the H query heads."""
+    q = qkv[..., :H * D].view(B, N, H, D).transpose(1, 2)
+    k, v = (qkv[..., c:c + D].view(B, N, 1, D).transpose(1, 2).expand(B, H, N, D) for c in (H * D, H * D + D))
+    return torch.softmax(q @ k.mT * D ** -0.5, -1) @ v
+
+
+@pytest.mark.parametrize("fn, width, stored", [(_chunked, 3 * H * D, True), (_chunked_q_twice, 3 * H * D, False),
+                                                (_chunked_gqa, (H + 2) * D, False)])
+def test_slices_that_tile_one_tensor_are_stored(fn, width, stored):
+    """A packed qkv's q, k and v are slices of one tensor, written by two kernels: where the
+    slices' writes tile the tensor, each is a store into one uninitialised (NaN-poisoned)
+    buffer, no atomics, no zero fill. Where they do not (a third unread; a K/V head shared
+    by the query heads), every write is an atomic add into zeros. Both match float64."""
+    from flashlight.codegen.gradients import grad_plan
+    from flashlight.runtime.op import REGISTRY
+    inputs = (torch.randn(B, N, width),)
+    region = flashlight.explain(fn, *inputs).regions[0]
+    src = region.backward_source
+    assert (grad_plan(REGISTRY[region.key].region).stored == {0}) == stored
+    assert ("atomic_add" in src) != stored
+    check_grads(fn, inputs)
+    if stored:      # one kernel run alone (a config being tuned) leaves the other's slices at 0
+        k = REGISTRY[region.key].backward_kernels()
+        assert k.buffers(list(inputs))[0].isnan().all() and k.buffers(list(inputs), "dq")[0].eq(0).all()
+
+
+def test_diff_attention_half_heads_are_stored():
+    """DiffAttn's q and k are each read as two half-width heads: both halves are stored."""
+    diff = VARIANTS["diff_attention"]
+    src = flashlight.explain(diff.attention, *diff.make_inputs(B=1, H=2, M=20, D=16)).regions[0].backward_source
+    kernels = _kernels(src)
+    assert "atomic_add" not in kernels["dkdv"] and "atomic_add" not in kernels["dq"]
+    assert kernels["dkdv"].count("tl.store(") == 3 and kernels["dq"].count("tl.store(") == 2
+
+
 def test_product_row_gradients_are_stored_as_the_value_operand():
     """dL/d(P @ V) = dO / l is a tl.dot operand of both tile kernels: on the GPU it is written in
     V's bf16 (FA2 feeds dO as stored), one DV-wide column group per distinct row gradient in a

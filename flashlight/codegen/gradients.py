@@ -3,17 +3,22 @@ three generated kernels and the runtime (which allocates the gradient tensors) a
 
 A *site* is one ``scatter`` of a load's adjoint: the row kernel's (epilogue loads), the dK/dV
 kernel's per tile (loads in the reduction bodies: biases, tables) or after its query loop (the K
-and V operands), the dQ kernel's after its key loop (the Q operands). An input whose gradient has
-exactly one site, written once per program at addresses that program alone owns and that together
-cover the tensor, is *stored*: ``tl.store`` in the input's dtype into ``empty_like(x)``, no zero
-fill, no fp32 copy. Every other gradient is accumulated with ``tl.atomic_add`` into fp32 zeros
-(GQA's shared K/V heads, broadcast biases, gathered tables, an input read in two places).
+and V operands), the dQ kernel's after its key loop (the Q operands). An input whose sites are
+each written once per program, at addresses that program alone owns, and whose sites' boxes
+(``owned``) do not overlap and together cover the tensor, is *stored*: ``tl.store`` in the input's
+dtype into ``empty_like(x)``, no zero fill, no fp32 copy. That is one site over the whole tensor,
+or slices of one (a packed qkv's q, k and v; DiffAttn's two half-width heads). Every other
+gradient is accumulated with ``tl.atomic_add`` into fp32 zeros (GQA's shared K/V heads,
+broadcast biases, gathered tables, an input read twice at the same address).
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
 
 from ..ir import Expr, Region, dot, free_vars, red, refs
+from ..ir.expr import is_const
 from ..ir.derivative import tile, vjp
 from .emit import Block, Ctx, Emitter
 from .kernel import TILE
@@ -98,27 +103,73 @@ def grad_plan(region: Region, fused_dq: bool = False) -> GradPlan:
     by_input: dict[int, list[Site]] = {}
     for s in plan.sites:
         by_input.setdefault(s.input, []).append(s)
-    plan.stored = frozenset(i for i, ss in by_input.items()
-                            if len(ss) == 1 and ss[0].once and owned(ss[0].load, ss[0].ctx, region))
+    plan.stored = frozenset(i for i, ss in by_input.items() if all(s.once for s in ss)
+                            and partition([owned(s.load, s.ctx, region) for s in ss], region.inputs[i].shape))
     return plan
 
 
-def owned(x: Expr, ctx: str, region: Region) -> bool:
-    """Does every program of the kernel write its own part of load ``x``'s tensor, the parts
-    together covering it? Each dim is indexed by a distinct bare var of the same extent (or is a
-    size-1 dim read at 0), and the vars include every batch var and the program's tile axis (no
-    GQA sharing, no broadcast over a grid axis, no gather, no slice)."""
+Box = tuple[tuple[int, int], ...]       # per dim of a tensor, [start, stop)
+
+
+def _linear(ie: Expr) -> tuple[dict[str, int], int] | None:
+    """An int index as ({var: coefficient}, constant) where it is linear in its vars (adds and
+    products with constants), else None."""
+    if ie.kind != "i":
+        return None
+    if ie.op == "const":
+        return {}, ie.args[0]
+    if ie.op == "var":
+        return {ie.args[0]: 1}, 0
+    if ie.op in ("add", "mul") and len(ie.args) == 2:
+        a, b = (_linear(x) for x in ie.args)
+        if a is None or b is None:
+            return None
+        if ie.op == "add":
+            return {v: a[0].get(v, 0) + b[0].get(v, 0) for v in {*a[0], *b[0]}}, a[1] + b[1]
+        (f, c), (lin, k) = (a, b) if not a[0] else (b, a)
+        if f:
+            return None         # a product of two vars
+        return {v: c * x for v, x in lin.items()}, c * k
+    return None
+
+
+def owned(x: Expr, ctx: str, region: Region) -> Box | None:
+    """The box of load ``x``'s tensor that the kernel's programs write, each program its own
+    part of it, or None where programs may share an address. Each dim's index is a constant
+    plus vars laid out densely (coefficients 1, e1, e1·e2, ... for extents e1, e2, ...: a slice,
+    a dim read at one place, a packed qkv's ``h·D + dk + 2·H·D``), no var in two dims, inside
+    the dim; the vars include every batch var and the program's tile axis (no GQA sharing, no
+    broadcast over a grid axis, no gather)."""
     extent = {"m": region.M, "n": region.N, "dk": region.DK, "dv": region.DV,
               **dict(zip(region.batch_vars, region.batch))}
     seen: set[str] = set()
+    box = []
     for ie, size in zip(x.args[1], region.inputs[x.args[0]].shape):
-        if ie.op == "const" and ie.args[0] == 0 and size == 1:
-            continue
-        if ie.op != "var" or ie.args[0] in seen or extent.get(ie.args[0]) != size:
-            return False
-        seen.add(ie.args[0])
+        lin = _linear(ie)
+        if lin is None or any(v not in extent or v in seen for v in lin[0]):
+            return None
+        span = 1
+        for v, coef in sorted(((v, c) for v, c in lin[0].items() if extent[v] > 1), key=lambda vc: vc[1]):
+            if coef != span:
+                return None
+            span *= extent[v]
+        if lin[1] < 0 or lin[1] + span > size:
+            return None
+        seen.update(lin[0])
+        box.append((lin[1], lin[1] + span))
     grid = {v for v in (*region.batch_vars, PROGRAM_AXIS[ctx]) if extent[v] > 1}
-    return grid <= seen
+    return tuple(box) if grid <= seen else None
+
+
+def partition(boxes: list[Box | None], shape) -> bool:
+    """Do the boxes tile a tensor of ``shape``: none missing, none overlapping, all of it covered
+    (disjoint boxes inside it whose sizes add up to its own)?"""
+    if not boxes or any(b is None for b in boxes):
+        return False
+    for a, b in itertools.combinations(boxes, 2):
+        if all(lo1 < hi2 and lo2 < hi1 for (lo1, hi1), (lo2, hi2) in zip(a, b)):
+            return False
+    return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) == math.prod(shape)
 
 
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
