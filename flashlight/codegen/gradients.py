@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, field
 
 from ..ir import Expr, Region, dot, free_vars, red, refs
-from ..ir.expr import is_const
 from ..ir.derivative import tile, vjp
 from .emit import Block, Ctx, Emitter
 from .kernel import TILE
