@@ -1,3 +1,5 @@
+# Session 21 ran U1 (GPU tests, training table), then U2 (ALiBi and DiffAttn A/B at 85e2075) where budget
+#   allowed (docs/notes.md "Session 21").
 # Session 21's plan (session 20 had no device; docs/notes.md "Session 20"): R1 (~8 min: GPU tests,
 #   ALiBi's forward against .s19 = 85e2075), R2 (~8 min: the training table, ALiBi's training rows at
 #   85e2075, the K/V-leaf A/B on RoPE and RoPE + GQA), then F (the flex suite) if time is left.
@@ -111,6 +113,27 @@ P1)  # session 20 (plan above)
   ;;
 P2)
   bash "$0" F
+  ;;
+U1)  # session 21 (three failed starts left ~1100 s): the GPU tests in full, then issue #5's training table
+  timeout -k 10 370 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
+    | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
+  ;;
+U2)  # session 21: ALiBi (forward and training) and DiffAttn (training) at 85e2075 (.s19) against this code
+  timeout -k 10 80 python3 -m benchmarks.run --suite flex --only alibi,causal --dims 128 --backends flashlight,flex \
+    --no-plots --time-limit 65 --out $OUT/alibi_fwd > $OUT/alibi_fwd.txt 2>&1
+  echo "alibi fwd rc $?"; tail -9 $OUT/alibi_fwd.txt | cut -c1-150
+  (cd .s19 && PYTHONPATH=. timeout -k 10 60 python3 -m benchmarks.run --suite flex --only alibi --dims 128 --backends flashlight \
+    --no-plots --time-limit 45 --out $OUT/alibi_fwd_s19 > $OUT/alibi_fwd_s19.txt 2>&1)
+  echo "alibi fwd at 85e2075 rc $?"; tail -6 $OUT/alibi_fwd_s19.txt | cut -c1-150
+  timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention --backends flashlight,inductor \
+    --no-plots --time-limit 95 --out $OUT/training_ad > $OUT/training_ad.txt 2>&1
+  echo "training alibi, diff_attention rc $?"; tail -8 $OUT/training_ad.txt | cut -c1-150
+  (cd .s19 && PYTHONPATH=. timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention \
+    --backends flashlight --no-plots --time-limit 95 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
+  echo "training alibi, diff_attention at 85e2075 rc $?"; tail -8 $OUT/training_s19.txt | cut -c1-150
   ;;
 R1)  # session 20: the GPU tests in full, then ALiBi's relative-position split (codegen.emit.relative_positions)
     # against the code before it (85e2075, .s19 carried), forward, D=128, same call
