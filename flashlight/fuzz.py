@@ -8,8 +8,8 @@ tensor) and its fill value (-inf, -1e9, finfo.min), a bias of a random broadcast
 the softmax spelling, a second softmax map over the same V combined with the first (DiffAttn's
 difference with a learned λ, or a mean), an epilogue (a head-merging reshape, an RMSNorm, a
 sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss); or the map
-spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``. The program
-is plain PyTorch, built from closures.
+spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``; q, k and v
+as slices of one packed projection. The program is plain PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -195,14 +195,23 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # or only q's (exact) scaling by 1 under a checkpoint, the attention between checkpoints
     around = not checkpointed and rng.random() < 0.15
     norm = rng.choice(["none"] * 8 + ["qk", "qkv"])      # drawn last, likewise
+    # q, k and v as slices of one packed projection [B, M, (H·D | Hkv·D | Hkv·Dv)] (drawn last, likewise)
+    packed = M == N and rng.random() < 0.15
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
-            f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm}")
+            f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program
-    return Program(desc, fn, (q, k, v, *extra.values()), grads=grads, oracle=lambda *xs: program(*xs, oracle=True))
+    if not packed:
+        return Program(desc, fn, (q, k, v, *extra.values()), grads=grads, oracle=lambda *xs: program(*xs, oracle=True))
+    widths, heads = (H * D, Hkv * D, Hkv * Dv), ((H, D), (Hkv, D), (Hkv, Dv))
+
+    def unpack(qkv):
+        return [x.unflatten(-1, hd).transpose(1, 2) for x, hd in zip(qkv.split(widths, -1), heads)]
+    return Program(desc, lambda qkv, *xs: fn(*unpack(qkv), *xs), (rand(B, M, sum(widths)), *extra.values()),
+                   grads=grads, oracle=lambda qkv, *xs: program(*unpack(qkv), *xs, oracle=True))
 
 
 def reference(p: Program) -> torch.Tensor:

@@ -114,6 +114,15 @@ P1)  # session 20 (plan above)
 P2)
   bash "$0" F
   ;;
+U0)  # session 21 (six failed starts left ~500 s): the GPU tests of the changed code paths, then ALiBi's
+    # and DiffAttn's training rows
+  timeout -k 10 170 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
+    -k "bf16_forward_and_gradients or (gluon_forward_matches and alibi) or gluon_tile_kernels" 2>&1 | tee $OUT/test_gpu.txt \
+    | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention --backends flashlight,flex,inductor \
+    --no-plots --time-limit 95 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -8 $OUT/training.txt | cut -c1-170
+  ;;
 U1)  # session 21 (failed starts left ~700 s): the GPU tests the score rewrites and stored slices reach,
     # then issue #5's training table
   timeout -k 10 220 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
