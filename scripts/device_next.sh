@@ -114,6 +114,14 @@ P1)  # session 20 (plan above)
 P2)
   bash "$0" F
   ;;
+Z)  # session 21 (~300 s left): the bf16 forward-and-gradient GPU tests (ALiBi, DiffAttn's stored halves), then
+    # ALiBi's D=128 training row against Flex
+  timeout -k 10 100 python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py -k "bf16_forward_and_gradients" 2>&1 \
+    | tee $OUT/test_gpu.txt | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  timeout -k 10 70 python3 -m benchmarks.run --suite training --only alibi --dims 128 --backends flashlight,flex \
+    --no-plots --time-limit 55 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -5 $OUT/training.txt | cut -c1-170
+  ;;
 U0)  # session 21 (six failed starts left ~500 s): the GPU tests of the changed code paths, then ALiBi's
     # and DiffAttn's training rows
   timeout -k 10 170 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
