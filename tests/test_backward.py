@@ -179,30 +179,31 @@ def test_two_kernel_backward_stores_what_one_program_owns():
     check_grads(gqa.attention, inputs)
 
 
-B, N, H, D = 1, 21, 2, 16
+PB, PN, PH, PD = 1, 21, 2, 16      # the packed projections' batch, length, heads, head dim
 
 
 def _chunked(qkv):
-    """A packed qkv projection's output, [B, N, 3·H·D], cut into q, k and v (timm's chunk)."""
-    q, k, v = (t.view(B, N, H, D).transpose(1, 2) for t in qkv.chunk(3, -1))
-    return torch.softmax(q @ k.mT * D ** -0.5, -1) @ v
+    """A packed qkv projection's output, [PB, PN, 3·PH·PD], cut into q, k and v (timm's chunk)."""
+    q, k, v = (t.view(PB, PN, PH, PD).transpose(1, 2) for t in qkv.chunk(3, -1))
+    return torch.softmax(q @ k.mT * PD ** -0.5, -1) @ v
 
 
 def _chunked_q_twice(qkv):
     """k's third is never read: its gradient is zero there."""
-    q, _, v = (t.view(B, N, H, D).transpose(1, 2) for t in qkv.chunk(3, -1))
-    return torch.softmax(q @ q.mT * D ** -0.5, -1) @ v
+    q, _, v = (t.view(PB, PN, PH, PD).transpose(1, 2) for t in qkv.chunk(3, -1))
+    return torch.softmax(q @ q.mT * PD ** -0.5, -1) @ v
 
 
 def _chunked_gqa(qkv):
-    """One K/V head in the packed tensor, shared by the H query heads."""
-    q = qkv[..., :H * D].view(B, N, H, D).transpose(1, 2)
-    k, v = (qkv[..., c:c + D].view(B, N, 1, D).transpose(1, 2).expand(B, H, N, D) for c in (H * D, H * D + D))
-    return torch.softmax(q @ k.mT * D ** -0.5, -1) @ v
+    """One K/V head in the packed tensor, shared by the PH query heads."""
+    q = qkv[..., :PH * PD].view(PB, PN, PH, PD).transpose(1, 2)
+    k, v = (qkv[..., c:c + PD].view(PB, PN, 1, PD).transpose(1, 2).expand(PB, PH, PN, PD)
+            for c in (PH * PD, PH * PD + PD))
+    return torch.softmax(q @ k.mT * PD ** -0.5, -1) @ v
 
 
-@pytest.mark.parametrize("fn, width, stored", [(_chunked, 3 * H * D, True), (_chunked_q_twice, 3 * H * D, False),
-                                                (_chunked_gqa, (H + 2) * D, False)])
+@pytest.mark.parametrize("fn, width, stored", [(_chunked, 3 * PH * PD, True), (_chunked_q_twice, 3 * PH * PD, False),
+                                                (_chunked_gqa, (PH + 2) * PD, False)])
 def test_slices_that_tile_one_tensor_are_stored(fn, width, stored):
     """A packed qkv's q, k and v are slices of one tensor, written by two kernels: where the
     slices' writes tile the tensor, each is a store into one uninitialised (NaN-poisoned)
@@ -210,7 +211,7 @@ def test_slices_that_tile_one_tensor_are_stored(fn, width, stored):
     by the query heads), every write is an atomic add into zeros. Both match float64."""
     from flashlight.codegen.gradients import grad_plan
     from flashlight.runtime.op import REGISTRY
-    inputs = (torch.randn(B, N, width),)
+    inputs = (torch.randn(PB, PN, width),)
     region = flashlight.explain(fn, *inputs).regions[0]
     src = region.backward_source
     assert (grad_plan(REGISTRY[region.key].region).stored == {0}) == stored
