@@ -793,3 +793,23 @@ def test_operands_that_divide_by_a_loaded_norm_stay_finite_in_padding(v_norm, kv
     out = torch.compile(qk_norm, backend="flashlight")(q, k, v, scale)
     assert rel_error(out.double(), qk_norm(q.double(), k.double(), v.double(), scale.double())) < 1e-5
     check_grads(qk_norm, (q, k, v, scale))
+
+
+def test_padding_rows_are_not_summed_into_an_operand_read_at_one_key():
+    """One key (N = 1) of a K/V head shared by 4 query heads, normalised after the copy (fuzz
+    seed 199, #232): the load of k drops the key index (k[b, 0, 0, dk]) while its norm keeps it,
+    so the rows that pad the dK/dV program's key block read k over a norm of 0. The adjoint
+    there is 0 * inf, and k's gradient sums those rows (its load does not use the tile's key
+    var): every element was NaN. The operands' gradients are now masked to the tile's in-range
+    elements before such sums. A sink logit gives the softmax a second column, so q and k have
+    gradients that are not all zero."""
+    B, H, M, D = 2, 4, 5, 24
+    q, k, v = torch.randn(B, H, M, D), torch.randn(B, 1, 1, D), torch.randn(B, 1, 1, D)
+    sinks = torch.randn(H)
+
+    def attn(q, k, v, sinks):
+        k, v = (x[:, :, None].expand(B, 1, H, 1, D).reshape(B, H, 1, D) for x in (k, v))
+        q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+        s = torch.cat([q @ k.mT * 4.0, sinks.view(1, H, 1, 1).expand(B, H, M, 1)], dim=-1)
+        return torch.softmax(s, -1)[..., :1] @ v
+    check_grads(attn, (q, k, v, sinks))

@@ -35,7 +35,7 @@ from ..ir.expr import BINDS, children
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
-from .gradients import GradPlan, extra_seeds, grad_plan, scatter
+from .gradients import GradPlan, extra_seeds, grad_plan, in_bounds, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
                      batch_index, block_loops, dk_chunks, dv_state, full_tile, key_block, operand_dtype, out_offsets,
                      piece_ctx, piece_suffix, segment_bounds, short_expr)
@@ -524,7 +524,7 @@ class TileWriter(KernelWriter):
             for name, pctx in zip(names, self.piece_ctxs(kind, ctx)):
                 if e in folded:
                     self.outer.lines.append(f"{name} = {name} * {folded[e]!r}")
-                scatter(self.em, vjp({e: tile(name)}), pctx, self.outer, self.plan.stored)
+                scatter(self.em, vjp({e: tile(name)}), pctx, self.outer, self.plan.stored, in_bounds(pctx))
 
     def common_args(self, kernel: str) -> list[str]:
         args = tensor_args(self.r, "in", range(len(self.r.inputs))) + tensor_args(self.r, "g", self.plan.written(kernel))
@@ -578,7 +578,7 @@ class DKDVWriter(TileWriter):
         for a, (e, per_dot) in enumerate(tiles.items()):
             for piece, ctx in enumerate(self.piece_ctxs("dq", CTX_Q)):
                 loop.lines.append(f"dqs{a}_{piece} = {' + '.join(names[piece] for names in per_dot)}")
-                scatter(self.em, vjp({e: tile(f"dqs{a}_{piece}")}), ctx, loop, self.plan.stored)
+                scatter(self.em, vjp({e: tile(f"dqs{a}_{piece}")}), ctx, loop, self.plan.stored, in_bounds(ctx))
 
     def predicates(self) -> tuple:
         """The forward's dead predicate (a tile it holds is skipped) and the bodies' full

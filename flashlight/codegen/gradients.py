@@ -171,6 +171,16 @@ def partition(boxes: list[Box | None], shape) -> bool:
     return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) == math.prod(shape)
 
 
+def in_bounds(ctx: Ctx) -> str | None:
+    """The mask of a tile's in-range elements (its two vars' masks), for ``scatter``'s
+    ``tile_mask``: an operand's adjoint in the rows that pad a block can be 0 * inf (a K
+    divided by its norm, which loads as 0 there), and where the operand's load does not use the
+    tile's var (N = 1 reads k at key 0) those rows are summed into an in-range gradient."""
+    rows, cols, _ = TILE[ctx.name]
+    masks = [ctx.masks[v] for v in (rows, cols) if v in ctx.masks]
+    return " & ".join(masks) or None
+
+
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
             stored: frozenset[int] = frozenset(), tile_mask: str | None = None) -> None:
     """Write every load's adjoint at the load's address in its gradient tensor ``g{i}``, first
