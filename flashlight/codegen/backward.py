@@ -524,7 +524,8 @@ class TileWriter(KernelWriter):
             for name, pctx in zip(names, self.piece_ctxs(kind, ctx)):
                 if e in folded:
                     self.outer.lines.append(f"{name} = {name} * {folded[e]!r}")
-                scatter(self.em, vjp({e: tile(name)}), pctx, self.outer, self.plan.stored, in_bounds(pctx))
+                scatter(self.em, vjp({e: tile(name)}), pctx, self.outer, self.plan.stored,
+                        sum_mask=in_bounds(pctx))
 
     def common_args(self, kernel: str) -> list[str]:
         args = tensor_args(self.r, "in", range(len(self.r.inputs))) + tensor_args(self.r, "g", self.plan.written(kernel))
@@ -578,7 +579,8 @@ class DKDVWriter(TileWriter):
         for a, (e, per_dot) in enumerate(tiles.items()):
             for piece, ctx in enumerate(self.piece_ctxs("dq", CTX_Q)):
                 loop.lines.append(f"dqs{a}_{piece} = {' + '.join(names[piece] for names in per_dot)}")
-                scatter(self.em, vjp({e: tile(f"dqs{a}_{piece}")}), ctx, loop, self.plan.stored, in_bounds(ctx))
+                scatter(self.em, vjp({e: tile(f"dqs{a}_{piece}")}), ctx, loop, self.plan.stored,
+                        sum_mask=in_bounds(ctx))
 
     def predicates(self) -> tuple:
         """The forward's dead predicate (a tile it holds is skipped) and the bodies' full

@@ -173,7 +173,7 @@ def partition(boxes: list[Box | None], shape) -> bool:
 
 def in_bounds(ctx: Ctx) -> str | None:
     """The mask of a tile's in-range elements (its two vars' masks), for ``scatter``'s
-    ``tile_mask``: an operand's adjoint in the rows that pad a block can be 0 * inf (a K
+    ``sum_mask``: an operand's adjoint in the rows that pad a block can be 0 * inf (a K
     divided by its norm, which loads as 0 there), and where the operand's load does not use the
     tile's var (N = 1 reads k at key 0) those rows are summed into an in-range gradient."""
     rows, cols, _ = TILE[ctx.name]
@@ -182,20 +182,24 @@ def in_bounds(ctx: Ctx) -> str | None:
 
 
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
-            stored: frozenset[int] = frozenset(), tile_mask: str | None = None) -> None:
+            stored: frozenset[int] = frozenset(), tile_mask: str | None = None,
+            sum_mask: str | None = None) -> None:
     """Write every load's adjoint at the load's address in its gradient tensor ``g{i}``, first
     summed over the tile axes its index does not use (broadcast dims): ``tl.store`` in the
     gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32. ``tile_mask``:
     the tile's in-range elements; the others are zeroed before the sums (a padded row's
-    adjoint can be 0 * inf, e.g. through an epilogue's division by a dv-sum that is 0 there)."""
+    adjoint can be 0 * inf, e.g. through an epilogue's division by a dv-sum that is 0 there).
+    ``sum_mask``: the same, applied only where there is a sum (elsewhere the write's own mask
+    already skips them)."""
     rows, cols, shape = TILE[ctx.name]
     for x, g in adjoints.items():
         if x.op != "load":
             continue
         val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
-        if tile_mask:
-            val = f"tl.where({tile_mask}, {val}, 0.0)"
         used = set().union(*(free_vars(i) for i in x.args[1]))
+        zero = tile_mask or (sum_mask if rows not in used or cols not in used else None)
+        if zero:
+            val = f"tl.where({zero}, {val}, 0.0)"
         if rows not in used and cols not in used:
             val = f"tl.sum(tl.sum({val}, 1), 0)"
         elif rows not in used:
