@@ -1,5 +1,6 @@
-# Session 21 ran U1 (GPU tests, training table), then U2 (ALiBi and DiffAttn A/B at 85e2075) where budget
-#   allowed (docs/notes.md "Session 21").
+# Session 22's plan: session 21 got no machine (eight failed starts; docs/notes.md "Session 21"). With the
+#   full budget: R1, then R2 (below); with less: U1 (the GPU tests the changes reach, the training table),
+#   then U2 (ALiBi and DiffAttn against 85e2075, .s19 carried); U0 and Z are smaller cuts.
 # Session 21's plan (session 20 had no device; docs/notes.md "Session 20"): R1 (~8 min: GPU tests,
 #   ALiBi's forward against .s19 = 85e2075), R2 (~8 min: the training table, ALiBi's training rows at
 #   85e2075, the K/V-leaf A/B on RoPE and RoPE + GQA), then F (the flex suite) if time is left.
