@@ -115,6 +115,19 @@ P1)  # session 20 (plan above)
 P2)
   bash "$0" F
   ;;
+AF)  # ALiBi's forward, D=128, this code (causal beside it) against 85e2075 (.s19 carried)
+  timeout -k 10 80 python3 -m benchmarks.run --suite flex --only alibi,causal --dims 128 --backends flashlight,flex \
+    --no-plots --time-limit 65 --out $OUT/alibi_fwd > $OUT/alibi_fwd.txt 2>&1
+  echo "alibi fwd rc $?"; tail -9 $OUT/alibi_fwd.txt | cut -c1-150
+  (cd .s19 && PYTHONPATH=. timeout -k 10 60 python3 -m benchmarks.run --suite flex --only alibi --dims 128 --backends flashlight \
+    --no-plots --time-limit 45 --out $OUT/alibi_fwd_s19 > $OUT/alibi_fwd_s19.txt 2>&1)
+  echo "alibi fwd at 85e2075 rc $?"; tail -6 $OUT/alibi_fwd_s19.txt | cut -c1-150
+  ;;
+T19)  # ALiBi's and DiffAttn's training rows at 85e2075 (.s19 carried)
+  (cd .s19 && PYTHONPATH=. timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention \
+    --backends flashlight --no-plots --time-limit 95 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
+  echo "training alibi, diff_attention at 85e2075 rc $?"; tail -8 $OUT/training_s19.txt | cut -c1-150
+  ;;
 Z)  # session 21 (~300 s left): the bf16 forward-and-gradient GPU tests (ALiBi, DiffAttn's stored halves), then
     # ALiBi's D=128 training row against Flex
   timeout -k 10 100 python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py -k "bf16_forward_and_gradients" 2>&1 \
@@ -142,39 +155,26 @@ U1)  # session 21 (failed starts left ~700 s): the GPU tests the score rewrites 
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
   ;;
 U2)  # session 21: ALiBi (forward and training) and DiffAttn (training) at 85e2075 (.s19) against this code
-  timeout -k 10 80 python3 -m benchmarks.run --suite flex --only alibi,causal --dims 128 --backends flashlight,flex \
-    --no-plots --time-limit 65 --out $OUT/alibi_fwd > $OUT/alibi_fwd.txt 2>&1
-  echo "alibi fwd rc $?"; tail -9 $OUT/alibi_fwd.txt | cut -c1-150
-  (cd .s19 && PYTHONPATH=. timeout -k 10 60 python3 -m benchmarks.run --suite flex --only alibi --dims 128 --backends flashlight \
-    --no-plots --time-limit 45 --out $OUT/alibi_fwd_s19 > $OUT/alibi_fwd_s19.txt 2>&1)
-  echo "alibi fwd at 85e2075 rc $?"; tail -6 $OUT/alibi_fwd_s19.txt | cut -c1-150
+  bash "$0" AF
   timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention --backends flashlight,inductor \
     --no-plots --time-limit 95 --out $OUT/training_ad > $OUT/training_ad.txt 2>&1
   echo "training alibi, diff_attention rc $?"; tail -8 $OUT/training_ad.txt | cut -c1-150
-  (cd .s19 && PYTHONPATH=. timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention \
-    --backends flashlight --no-plots --time-limit 95 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
-  echo "training alibi, diff_attention at 85e2075 rc $?"; tail -8 $OUT/training_s19.txt | cut -c1-150
+  bash "$0" T19
   ;;
 R1)  # session 20: the GPU tests in full, then ALiBi's relative-position split (codegen.emit.relative_positions)
     # against the code before it (85e2075, .s19 carried), forward, D=128, same call
   timeout -k 10 370 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
     | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
-  timeout -k 10 80 python3 -m benchmarks.run --suite flex --only alibi,causal --dims 128 --backends flashlight,flex \
-    --no-plots --time-limit 65 --out $OUT/alibi_fwd > $OUT/alibi_fwd.txt 2>&1
-  echo "alibi fwd rc $?"; tail -9 $OUT/alibi_fwd.txt | cut -c1-150
-  (cd .s19 && PYTHONPATH=. timeout -k 10 60 python3 -m benchmarks.run --suite flex --only alibi --dims 128 --backends flashlight \
-    --no-plots --time-limit 45 --out $OUT/alibi_fwd_s19 > $OUT/alibi_fwd_s19.txt 2>&1)
-  echo "alibi fwd at 85e2075 rc $?"; tail -6 $OUT/alibi_fwd_s19.txt | cut -c1-150
+  bash "$0" AF
   ;;
 R2)  # session 20: issue #5's training table at this code (RoPE and Llama's RoPE + GQA rows too), ALiBi's
-    # rows and (session 21: DiffAttn's half-width heads stored, not atomic) DiffAttn's at 85e2075 (.s19), then the K/V-leaf A/B on RoPE and RoPE + GQA (rope_gqa_4: the leaf is k at
-    # its 4 K/V heads, against the rotation in the kernel on the repeated k)
+    # rows and (session 21: DiffAttn's half-width heads stored, not atomic) DiffAttn's at 85e2075 (.s19),
+    # then the K/V-leaf A/B on RoPE and RoPE + GQA (rope_gqa_4: the leaf is k at its 4 K/V heads, against
+    # the rotation in the kernel on the repeated k)
   timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
     --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
-  (cd .s19 && PYTHONPATH=. timeout -k 10 110 python3 -m benchmarks.run --suite training --only alibi,diff_attention \
-    --backends flashlight --no-plots --time-limit 95 --out $OUT/training_s19 > $OUT/training_s19.txt 2>&1)
-  echo "training alibi, diff_attention at 85e2075 rc $?"; tail -8 $OUT/training_s19.txt | cut -c1-150
+  bash "$0" T19
   timeout -k 10 200 python3 -m benchmarks.run --suite beyond --only rope,rope_gqa_4 \
     --backends flashlight,flashlight_b,inductor --b-env FLASHLIGHT_KV_LEAVES=0 \
     --no-plots --time-limit 180 --out $OUT/rope > $OUT/rope.txt 2>&1
