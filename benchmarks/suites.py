@@ -51,6 +51,7 @@ class Program:
         unbatched: indices of inputs without a leading batch dim (not sliced for the reference).
         head_sliceable: heads are independent and every 4-D input is [B, H, ., .], so the fp32
             reference may run on the first few heads only.
+        mask: the kept-pair predicate of a program Flex cannot express (for its FLOP count).
     """
     fn: Callable
     make: Callable
@@ -61,10 +62,11 @@ class Program:
     maps: Callable[[dict], int] = lambda extra: 1
     unbatched: tuple[int, ...] = ()
     head_sliceable: bool = False
+    mask: Callable | None = None
 
     def mask_mod(self, inputs):
         """The predicate of kept (q, kv) pairs (FlexAttention's ``mask_mod``), None if all are."""
-        return self.flex(inputs)[4] if self.flex is not None else None
+        return self.flex(inputs)[4] if self.flex is not None else self.mask
 
 
 def _sdpa_plain(inputs):
@@ -103,6 +105,9 @@ PROGRAMS: dict[str, Program] = {
     # (its output merges the heads, [B, M, H * Dv]: the reference runs all heads; input 4 is the
     # norm weight, not batched)
     "diff_attention": _example("diff_attention", pair_flops=lambda D: 6 * D, head_sliceable=False, unbatched=(4,)),
+    # the same model as the reference code writes it: (w1 - λ w2) @ v, causal (half the pairs)
+    "diff_transformer": _example("diff_transformer", pair_flops=lambda D: 6 * D, head_sliceable=False,
+                                 unbatched=(4,), mask=lambda b, h, m, n: n <= m),
     "evoformer": Program(fn=VARIANTS["evoformer"].attention, make=VARIANTS["evoformer"].make_inputs,
                          maps=lambda extra: extra["S"]),
     "gated": _example("gated"),
@@ -157,7 +162,8 @@ SDPA_VARIANTS = [("document_12_sdpa", "sdpa_document", ())]
 OTHER_BEYOND = [(n, n, ()) for n in ["gated", "hand_softmax", "relu_attention", "sigmoid_attention",
                                       "relative_position", "rope"]] + [("rope_gqa_4", "rope", (("group", 4),))]
 TRAINING_VARIANTS = [("causal", "causal", ()), ("alibi", "alibi", ()), ("document_12", "document_mask", ()),
-                     ("diff_attention", "diff_attention", ()), ("rope", "rope", ()),
+                     ("diff_attention", "diff_attention", ()), ("diff_transformer", "diff_transformer", ()),
+                     ("rope", "rope", ()),
                      ("rope_gqa_4", "rope", (("group", 4),))]     # Llama: RoPE, then K/V repeated
 DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_alibi")]
 
@@ -222,8 +228,8 @@ def cases(suite: str, size: str = "full") -> list[Case]:
         return (_grid("sparsity", chosen, s.sparsity_bn, s.dims, s.heads, SPARSITY_BACKENDS)
                 + _grid("sparsity", SDPA_VARIANTS, s.sparsity_bn, s.dims, s.heads, SDPA_BACKENDS))
     if suite == "beyond":
-        diff = [Case("beyond", "diff_attention", "diff_attention", B, max(1, s.diff_dim // D), N, N, D,
-                     backends=BEYOND_BACKENDS) for (B, N) in s.bn for D in s.dims]
+        diff = [Case("beyond", name, name, B, max(1, s.diff_dim // D), N, N, D, backends=BEYOND_BACKENDS)
+                for (B, N) in s.bn for D in s.dims for name in ("diff_attention", "diff_transformer")]
         evo = [Case("beyond", "evoformer", "evoformer", B, 4 if size != "tiny" else 2, s.evo_r, s.evo_r, C,
                     extra=(("S", s.evo_s),), backends=BEYOND_BACKENDS) for B in s.evo_b for C in s.evo_c]
         others = _grid("beyond", OTHER_BEYOND, s.other_bn, s.other_dims, s.heads, BEYOND_BACKENDS)

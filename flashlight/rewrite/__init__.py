@@ -24,7 +24,7 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from ..ir import Dot, Expr, Region, call, const, dot, free_vars, red, refs, substitute, var, verify, walk
+from ..ir import Dot, Expr, Reduction, Region, call, const, dot, free_vars, red, refs, substitute, var, verify, walk
 from ..ir.expr import children, simplify
 
 
@@ -133,6 +133,59 @@ def factor_rows(region: Region) -> Region | None:
         reds = list(region.reductions)
         reds[j] = replace(r, body=x, online=None)     # online-ness is re-derived for the new body
         return _replace_red(region, j, acc, reds)
+    return None
+
+
+# Split sums: sum_n(x + y) = sum_n(x) + sum_n(y), for sums and P @ V products alike. The official
+# DiffAttn spells its map as one product, (softmax(s1) - λ softmax(s2)) @ v: the summand reads two
+# running maxes, so no single recurrence rescales it, and the product would need a second pass
+# over the keys. Split, each part is one softmax's product (a row factor pulled out, then online)
+# and the kernel keeps one pass, at the cost of one more accumulator. Applied only where the sum
+# as written is not one-pass and every part is. Each row: op -> how the two parts' sums combine.
+SPLIT: dict[str, Callable[[Expr, Expr], Expr]] = {
+    "add": lambda a, b: call("add", a, b),
+    "sub": lambda a, b: call("sub", a, b),
+}
+
+
+def one_pass(body: Expr, region: Region) -> bool:
+    """Can a sum of ``body`` run in the pass of the reductions it reads: it reads none, or after
+    pulling out its row factors it rescales with one running max (``make_online``'s test)?"""
+    x, _ = pull(body, region)
+    reads = refs(x, "red")
+    if not reads:
+        return True
+    for j in reads:
+        m = region.reductions[j]
+        if m.kind == "max" and scales(x, j, m.base2) and \
+                all(region.reductions[o].kind != "dot" for o in reads - {j}):
+            return True
+    return False
+
+
+def _insert_red(region: Region, j: int, new: Reduction, combined: Expr) -> Region:
+    """``region`` with ``new`` as reduction j + 1 (later ones renumbered) and every read of red j
+    after it replaced by ``combined`` (which reads red j and red j + 1)."""
+    shift = lambda e: substitute(e, lambda x: red(x.args[0] + 1) if x.op == "red" and x.args[0] > j else None)  # noqa: E731
+    comb = lambda e: substitute(shift(e), lambda x: combined if x == red(j) else None)  # noqa: E731
+    moved = lambda r: replace(r, body=comb(r.body), extra=None if r.extra is None else comb(r.extra),  # noqa: E731
+                              online=r.online + 1 if r.online is not None and r.online > j else r.online)
+    reds = [*region.reductions[:j + 1], new, *(moved(r) for r in region.reductions[j + 1:])]
+    rows = [replace(x, expr=comb(x.expr)) for x in region.rows]
+    return replace(region, reductions=reds, out=comb(region.out), rows=rows)
+
+
+def split_sums(region: Region) -> Region | None:
+    for j, r in enumerate(region.reductions):
+        if r.kind == "max" or r.extra is not None or r.body.op not in SPLIT or one_pass(r.body, region):
+            continue
+        a, b = r.body.args
+        if not (one_pass(a, region) and one_pass(b, region)):
+            continue
+        reds = list(region.reductions)
+        reds[j] = replace(r, body=a, online=None)
+        region = replace(region, reductions=reds)
+        return _insert_red(region, j, replace(r, body=b, online=None), SPLIT[r.body.op](red(j), red(j + 1)))
     return None
 
 
@@ -442,6 +495,7 @@ def factor_dot_scales(region: Region) -> Region | None:
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("dot-scales", factor_dot_scales),
     ("split-concat", split_concat),
+    ("split-sums", split_sums),
     ("factor-rows", factor_rows),
     ("split-offsets", split_offsets),
     ("online", make_online),
