@@ -222,13 +222,30 @@ def test_slices_that_tile_one_tensor_are_stored(fn, width, stored):
         assert k.buffers(list(inputs))[0].isnan().all() and k.buffers(list(inputs), "dq")[0].eq(0).all()
 
 
-def test_diff_attention_half_heads_are_stored():
-    """DiffAttn's q and k are each read as two half-width heads: both halves are stored."""
-    diff = VARIANTS["diff_attention"]
+@pytest.mark.parametrize("name", ["diff_attention", "diff_transformer"])
+def test_diff_attention_half_heads_are_stored(name):
+    """DiffAttn's q and k are each read as two half-width heads: both halves are stored. In the
+    reference code's layout (``diff_transformer``) they are heads 2h and 2h + 1 of the projection,
+    interleaved: indices 2h·d + dk and (2h + 1)·d + dk, not one stride's layout. The gradients'
+    float64 check (NaN-poisoned buffers) is in test_beyond_flex."""
+    diff = VARIANTS[name]
     src = flashlight.explain(diff.attention, *diff.make_inputs(B=1, H=2, M=20, D=16)).regions[0].backward_source
     kernels = _kernels(src)
     assert "atomic_add" not in kernels["dkdv"] and "atomic_add" not in kernels["dq"]
     assert kernels["dkdv"].count("tl.store(") == 3 and kernels["dq"].count("tl.store(") == 2
+
+
+def test_index_sets_of_interleaved_heads():
+    """``owned``'s per-dim sets: a dense layout is a range; interleaved heads are listed and tile
+    the dim together; a coefficient inside the smaller terms' span (two values per index) or a
+    set too large to list is refused."""
+    from flashlight.codegen import gradients
+    assert gradients._indices([(16, 2), (1, 8)], 8) == frozenset([*range(8, 16), *range(24, 32)])
+    assert gradients._indices([(8, 4), (1, 8)], 0) == range(0, 32) and gradients._indices([(2, 5)], 1) == range(1, 11, 2)
+    assert gradients._indices([(4, 2), (1, 8)], 0) is None
+    assert gradients.partition([(gradients._indices([(16, 2), (1, 8)], c), range(3)) for c in (0, 8)], (32, 3))
+    assert not gradients.partition([(gradients._indices([(16, 2), (1, 8)], c), range(3)) for c in (0, 16)], (32, 3))
+    assert gradients._indices([(1, 1024), (2048, 1024), (1 << 22, 2)], 0) is None     # 2^21 values
 
 
 def test_product_row_gradients_are_stored_as_the_value_operand():

@@ -107,7 +107,8 @@ def grad_plan(region: Region, fused_dq: bool = False) -> GradPlan:
     return plan
 
 
-Box = tuple[tuple[int, int], ...]       # per dim of a tensor, [start, stop)
+Box = tuple[range | frozenset, ...]       # per dim of a tensor, the indices a site writes
+MAX_ENUMERATED = 1 << 20        # a dim's index set listed element by element only up to this size
 
 
 def _linear(ie: Expr) -> tuple[dict[str, int], int] | None:
@@ -132,13 +133,36 @@ def _linear(ie: Expr) -> tuple[dict[str, int], int] | None:
     return None
 
 
+def _indices(terms: list[tuple[int, int]], start: int) -> range | frozenset | None:
+    """The set {start + sum of coef * i, 0 <= i < extent} of (coef, extent) terms, where each
+    value has one such sum: every coefficient is past the largest sum of the smaller ones (a
+    slice, or heads 2h and 2h + 1 of a projection viewed as 2H heads). A range when the terms are
+    one stride's dense layout; None when not one-to-one or too large to list."""
+    terms = sorted(terms)
+    span, step, dense = 0, terms[0][0] if terms else 1, True
+    for coef, e in terms:
+        if coef <= span:
+            return None
+        dense = dense and coef == span + step
+        span += coef * (e - 1)
+    count = math.prod(e for _, e in terms)
+    if dense:
+        return range(start, start + step * count, step)
+    if count > MAX_ENUMERATED:
+        return None
+    values = [start]
+    for coef, e in terms:
+        values = [x + coef * i for x in values for i in range(e)]
+    return frozenset(values)
+
+
 def owned(x: Expr, ctx: str, region: Region) -> Box | None:
-    """The box of load ``x``'s tensor that the kernel's programs write, each program its own
-    part of it, or None where programs may share an address. Each dim's index is a constant
-    plus vars laid out densely (coefficients 1, e1, e1·e2, ... for extents e1, e2, ...: a slice,
-    a dim read at one place, a packed qkv's ``h·D + dk + 2·H·D``), no var in two dims, inside
-    the dim; the vars include every batch var and the program's tile axis (no GQA sharing, no
-    broadcast over a grid axis, no gather)."""
+    """The indices of load ``x``'s tensor that the kernel's programs write, each program its own
+    part of them, or None where programs may share an address. Each dim's index is a constant
+    plus vars, each value reached once (``_indices``: a slice, a dim read at one place, a packed
+    qkv's ``h·D + dk + 2·H·D``, the DIFF Transformer's heads ``2h·d + dk`` and ``(2h + 1)·d +
+    dk``), no var in two dims, inside the dim; the vars include every batch var and the
+    program's tile axis (no GQA sharing, no broadcast over a grid axis, no gather)."""
     extent = {"m": region.M, "n": region.N, "dk": region.DK, "dv": region.DV,
               **dict(zip(region.batch_vars, region.batch))}
     seen: set[str] = set()
@@ -147,17 +171,18 @@ def owned(x: Expr, ctx: str, region: Region) -> Box | None:
         lin = _linear(ie)
         if lin is None or any(v not in extent or v in seen for v in lin[0]):
             return None
-        span = 1
-        for v, coef in sorted(((v, c) for v, c in lin[0].items() if extent[v] > 1), key=lambda vc: vc[1]):
-            if coef != span:
-                return None
-            span *= extent[v]
-        if lin[1] < 0 or lin[1] + span > size:
+        idx = _indices([(c, extent[v]) for v, c in lin[0].items() if extent[v] > 1], lin[1])
+        if idx is None or not idx or min(idx) < 0 or max(idx) >= size:
             return None
         seen.update(lin[0])
-        box.append((lin[1], lin[1] + span))
+        box.append(idx)
     grid = {v for v in (*region.batch_vars, PROGRAM_AXIS[ctx]) if extent[v] > 1}
     return tuple(box) if grid <= seen else None
+
+
+def _disjoint(a: range | frozenset, b: range | frozenset) -> bool:
+    small, large = (a, b) if len(a) <= len(b) else (b, a)
+    return not any(i in large for i in small)
 
 
 def partition(boxes: list[Box | None], shape) -> bool:
@@ -166,9 +191,9 @@ def partition(boxes: list[Box | None], shape) -> bool:
     if not boxes or any(b is None for b in boxes):
         return False
     for a, b in itertools.combinations(boxes, 2):
-        if all(lo1 < hi2 and lo2 < hi1 for (lo1, hi1), (lo2, hi2) in zip(a, b)):
+        if not any(_disjoint(da, db) for da, db in zip(a, b)):
             return False
-    return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) == math.prod(shape)
+    return sum(math.prod(len(d) for d in b) for b in boxes) == math.prod(shape)
 
 
 def in_bounds(ctx: Ctx) -> str | None:
