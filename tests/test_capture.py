@@ -250,6 +250,27 @@ def test_a_mask_written_through_a_view_is_read_as_written():
     assert len(report.regions) == 1 and "tril" in report.regions[0].ir     # the mask, loaded
 
 
+def test_nan_to_num_of_the_scores():
+    """``nan_to_num`` (the DIFF Transformer applies it to its scores): a NaN query row scores 0
+    everywhere (a uniform row), an infinite key takes its rows' whole weight or none; with
+    explicit replacement values too. Against float64 eager (where ±inf go to float64's extremes:
+    the same weights)."""
+    q, k, v = qkv()
+    q[0, 1, 4] = float("nan")
+    k[1, 0, 9, 0] = float("inf")
+    mask = torch.arange(N)[None, :] > torch.arange(M)[:, None] + 10
+
+    def f(q, k, v):
+        s = torch.nan_to_num(q @ k.mT * D ** -0.5).masked_fill(mask, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    def g(q, k, v):
+        return torch.softmax(torch.nan_to_num(q @ k.mT, nan=-1.0, posinf=30.0, neginf=-30.0), -1) @ v
+    for fn in (f, g):
+        out, _ = check_fused(fn, q, k, v)
+        assert out.isfinite().all()
+
+
 def test_stacked_layers_fuse_without_spurious_reasons():
     """Two pre-norm layers: both attentions fuse, and explain() gives no reason for the second
     layer's q @ k^T (it reached the first layer's softmax through its P @ V and a projection,

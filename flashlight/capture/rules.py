@@ -88,6 +88,18 @@ def _clamp(b, node, x, lo=None, hi=None):
     return pointwise(b, node, f, x, *(v for v in (lo, hi) if v is not None))
 
 
+def _nan_to_num(b, node, x, nan=0.0, posinf=None, neginf=None):
+    """NaN to ``nan``, ±inf to ``posinf`` / ``neginf`` (default: the dtype's largest finite
+    values): the DIFF Transformer's reference code applies it to its scores."""
+    dtype = meta(node).dtype
+    if not dtype.is_floating_point:
+        return _identity(b, node, x)
+    fi = torch.finfo(dtype)
+    lo, hi = (fi.min if neginf is None else neginf), (fi.max if posinf is None else posinf)
+    return pointwise(b, node, lambda a: call("where", call("ne", a, a), const(float(nan)),
+                                             call("minimum", call("maximum", a, const(float(lo))), const(float(hi)))), x)
+
+
 def _pow(b, node, x, y):
     if isinstance(y, (int, float)) and float(y).is_integer() and 1 <= y <= 4:
         def f(a, _):
@@ -644,19 +656,21 @@ def _einsum(b, node, equation, operands):
 # In-place updates of scores (gpt-oss: ``QK *= sm_scale; QK += mask``): the out-of-place op, when
 # the updated tensor is a fresh intermediate that nothing reads after the update.
 INPLACE = {aten.add_: aten.add, aten.sub_: aten.sub, aten.mul_: aten.mul, aten.div_: aten.div,
-           aten.masked_fill_: aten.masked_fill}
+           aten.masked_fill_: aten.masked_fill, aten.fill_: aten.fill, aten.triu_: aten.triu, aten.tril_: aten.tril}
 ALIASING = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.mT,
             aten.unsqueeze, aten.squeeze, aten.expand, aten.expand_as, aten.slice, aten.select,
             aten.alias, aten.detach, aten.contiguous, aten.to, aten.type_as}
 
 
 def _private(x, node: fx.Node) -> bool:
-    """``x`` owns its memory (not an input, not a view of another tensor; an in-place chain is
-    followed to its base) and no node after ``node`` reads it."""
+    """``x`` owns its memory or is a view of a tensor that does (not an input; in-place chains
+    and views are followed to their base: ``torch.zeros(n, n).float().fill_(-inf)``, where
+    ``.float()`` of a float tensor is the tensor itself) and no node after ``node`` reads it or
+    anything on the way to its base."""
     if not isinstance(x, fx.Node) or x.op != "call_function":
         return False
     p = getattr(x.target, "overloadpacket", None)
-    if p not in RULES or (p in ALIASING) or (p in INPLACE and not _private(x.args[0], node)):
+    if p not in RULES or (p in ALIASING or p in INPLACE) and not _private(x.args[0], node):
         return False
     position = {n: i for i, n in enumerate(node.graph.nodes)}
     return all(position[u] <= position[node] for u in x.users)
@@ -687,7 +701,7 @@ RULES.update({
     aten.rsqrt: unary("rsqrt"), aten.reciprocal: unary("reciprocal"), aten.tanh: unary("tanh"),
     aten.sigmoid: unary("sigmoid"), aten.relu: unary("relu"), aten.erf: unary("erf"),
     aten.sin: unary("sin"), aten.cos: unary("cos"), aten.floor: unary("floor"),
-    aten.ceil: unary("ceil"), aten.round: unary("round"),
+    aten.ceil: unary("ceil"), aten.round: unary("round"), aten.nan_to_num: _nan_to_num,
     aten.square: lambda b, n, x: pointwise(b, n, lambda a: call("mul", a, a), x),
     # comparisons and logic
     aten.eq: binary("eq"), aten.ne: binary("ne"), aten.lt: binary("lt"), aten.le: binary("le"),
@@ -716,7 +730,7 @@ RULES.update({
     aten.zeros_like: _fill(lambda a, k: 0), aten.full_like: _fill(lambda a, k: a[1]),
     aten.scalar_tensor: _fill(lambda a, k: a[0]),
     aten.new_full: _fill(lambda a, k: a[2]), aten.new_ones: _fill(lambda a, k: 1),
-    aten.new_zeros: _fill(lambda a, k: 0),
+    aten.new_zeros: _fill(lambda a, k: 0), aten.fill: _fill(lambda a, k: a[1]),
     aten.tril: _tri(lambda i, j, d: call("le", call("sub", j, i), const(d))),
     aten.triu: _tri(lambda i, j, d: call("ge", call("sub", j, i), const(d))),
     # reductions over the key dim

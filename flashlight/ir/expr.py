@@ -175,6 +175,10 @@ def simplify(e: Expr) -> Expr:
         if is_const(a[0], False): return _coerce(a[2], e.kind)
         if is_const(a[1], True) and is_const(a[2], False): return a[0]       # where(c, T, F) = c
         if is_const(a[1], False) and is_const(a[2], True): return call("not", a[0])
+    if e.op == "ne" and a[0] == a[1] and a[0].op == "mul" and a[0].kind == "f":   # isnan(y * c) = isnan(y)
+        for y, c in (a[0].args, a[0].args[::-1]):
+            if is_const(c) and c.kind == "f" and c.args[0] != 0 and math.isfinite(c.args[0]):
+                return call("ne", y, y)
     if e.op == "not" and a[0].op == "not":
         return a[0].args[0]                                                  # not(not c) = c
     if e.op in ("and", "or") and a[0] == a[1]:

@@ -342,6 +342,7 @@ FOLD_LOG2E: dict[str, Callable[[Expr], Expr | None]] = {
     "mul": _fold_mul,
     "div": _fold_div,
     "neg": _fold_all, "add": _fold_all, "sub": _fold_all, "where": _fold_all,
+    "maximum": _fold_all, "minimum": _fold_all,     # a positive factor commutes with max and min
 }
 
 
