@@ -250,6 +250,28 @@ def test_a_mask_written_through_a_view_is_read_as_written():
     assert len(report.regions) == 1 and "tril" in report.regions[0].ir     # the mask, loaded
 
 
+def test_an_in_place_update_seen_through_an_earlier_view_is_not_read_as_out_of_place():
+    """``t = s[..., :]; s.mul_(0.25)``: t shows the update (it shares s's memory), which an
+    out-of-place reading of the update would not give t (``symbolic.written_later`` loads such
+    a tensor instead); the same through a ``reshape`` of the base. Results match eager."""
+    def sliced(q, k, v):
+        s = q @ k.mT
+        t = s[..., :]
+        s.mul_(0.25)
+        return torch.softmax(t, -1) @ v
+
+    def reshaped(q, k, v):
+        s = (q @ k.mT).reshape(-1, N)
+        t = s.view(B, H, M, N)
+        s.add_(1.0).mul_(3.0)
+        return torch.softmax(t, -1) @ v
+    q, k, v = qkv()
+    for fn in (sliced, reshaped):
+        torch.compiler.reset()
+        out = torch.compile(fn, backend="flashlight")(q, k, v)
+        assert rel_error(out, reference(fn, q, k, v)) < 1e-4, fn.__name__
+
+
 def test_nan_to_num_of_the_scores():
     """``nan_to_num`` (the DIFF Transformer applies it to its scores): a NaN query row scores 0
     everywhere (a uniform row), an infinite key takes its rows' whole weight or none; with
