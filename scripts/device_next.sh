@@ -1,3 +1,5 @@
+# Session 22 (itself without a machine for its first tries): V1 (~9 min: the GPU tests the changes reach,
+#   the training table), then V2 (~9 min: the A/Bs against 85e2075, DiffAttn's two spellings, flex D=128).
 # Session 22's plan: session 21 got no machine (eight failed starts; docs/notes.md "Session 21"). With the
 #   full budget: R1, then R2 (below); with less: U1 (the GPU tests the changes reach, the training table),
 #   then U2 (ALiBi and DiffAttn against 85e2075, .s19 carried); U0 and Z are smaller cuts.
@@ -160,6 +162,26 @@ U2)  # session 21: ALiBi (forward and training) and DiffAttn (training) at 85e20
     --no-plots --time-limit 95 --out $OUT/training_ad > $OUT/training_ad.txt 2>&1
   echo "training alibi, diff_attention rc $?"; tail -8 $OUT/training_ad.txt | cut -c1-150
   bash "$0" T19
+  ;;
+V1)  # session 22 (failed starts): the GPU tests the changes reach (DiffAttn both ways, stored slices, ALiBi's
+    # score rewrite), then issue #5's training table (with the DIFF Transformer's own spelling)
+  timeout -k 10 220 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
+    -k "bf16_forward_and_gradients or gluon_forward_matches or gluon_tile_kernels or fused_dq" 2>&1 | tee $OUT/test_gpu.txt \
+    | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
+  timeout -k 10 330 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit 300 --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -17 $OUT/training.txt | cut -c1-170
+  ;;
+V2)  # session 22: ALiBi's forward and ALiBi's and DiffAttn's training at 85e2075 (.s19), DiffAttn's two
+    # spellings' forwards, then the flex suite's D=128 half (the first-call misses)
+  bash "$0" AF
+  bash "$0" T19
+  timeout -k 10 90 python3 -m benchmarks.run --suite beyond --only diff_attention,diff_transformer --backends flashlight,inductor \
+    --no-plots --time-limit 75 --out $OUT/diff > $OUT/diff.txt 2>&1
+  echo "diff rc $?"; tail -10 $OUT/diff.txt | cut -c1-150
+  timeout -k 10 200 python3 -m benchmarks.run --suite flex --dims 128 --backends flashlight,flex,sdpa_cudnn \
+    --time-limit 180 --out $OUT/flex128 > $OUT/flex128.txt 2>&1
+  echo "flex128 rc $?"; tail -30 $OUT/flex128.txt | cut -c1-170
   ;;
 R1)  # session 20: the GPU tests in full, then ALiBi's relative-position split (codegen.emit.relative_positions)
     # against the code before it (85e2075, .s19 carried), forward, D=128, same call
