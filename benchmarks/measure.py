@@ -252,7 +252,10 @@ def slice_input(x, i: int, prog: Program, heads: int | None):
 
 
 def ref_heads(case: Case) -> int | None:
-    return REF_HEADS if PROGRAMS[case.program].head_sliceable and case.H > REF_HEADS else None
+    # GQA (group > 1): K/V have H / group heads, so slicing q, k, v all to the first heads would
+    # pair each query head with the wrong K/V head; the reference then runs every head
+    grouped = dict(case.extra).get("group", 1) > 1
+    return REF_HEADS if PROGRAMS[case.program].head_sliceable and not grouped and case.H > REF_HEADS else None
 
 
 def slice_results(results, case: Case) -> list[torch.Tensor]:

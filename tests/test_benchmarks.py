@@ -208,3 +208,12 @@ def test_flashlight_b_captures_under_its_own_environment():
     out_b = with_environ({"FLASHLIGHT_KV_LEAVES": "0"}, lambda: b(*xs))
     assert sorted(c.region.dots[0].k.op for c in REGISTRY.values()) == ["add", "load"]
     assert torch.allclose(out_a, out_b, atol=1e-5)
+
+
+def test_the_reference_keeps_every_head_of_a_grouped_case():
+    """The fp32 reference runs the first heads of a head-sliceable program, but not of a GQA case:
+    K and V have H / group heads there, and cutting all three to the same heads would pair query
+    heads with the wrong K/V head (session 22: RoPE + GQA read 2.1 for every backend)."""
+    rope = Case("training", "rope", "rope", 4, 16, 64, 64, 32, "fwd+bwd")
+    assert measure.ref_heads(rope) == measure.REF_HEADS
+    assert measure.ref_heads(Case("training", "rope_gqa_4", "rope", 4, 16, 64, 64, 32, "fwd+bwd", (("group", 4),))) is None
