@@ -7,7 +7,10 @@ the compiled function, the ``flashlight::region_infer`` op called directly, ``Co
 ``CompiledRegion.launch`` and the kernel alone (``do_bench_cudagraph`` of the launch: no host
 cost). ``host_us`` columns are host time per call (200 calls without synchronising, divided):
 when a layer's host time exceeds the kernel time, the call is launch-bound. With ``--profile``
-it prints cProfile's top entries for the compiled function.
+it prints cProfile's top entries for the compiled function. ``--step`` times a training step
+instead (forward and backward of the compiled function, a fixed dO): its median, its host time,
+the GPU time of its kernels (torch.profiler's CUDA events summed per step) and, with
+``--profile``, cProfile's entries by own and by cumulative time.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ def main() -> None:
     p.add_argument("--m", type=int, help="query length (default: --n; 1 for decoding)")
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--step", action="store_true", help="time a training step (forward + backward)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = p.parse_args()
     out_dir = os.environ.get("OUT", args.out)
@@ -59,7 +63,9 @@ def main() -> None:
         captured[self.key] = inputs
         return run_all(self, inputs, *args, **kwargs)
     rows = []
-    for name in args.variants.split(","):
+    for name in args.variants.split(",") if args.step else ():
+        rows.append(step_row(name, args))
+    for name in args.variants.split(",") if not args.step else ():
         mod = VARIANTS[name]
         inputs = mod.make_inputs(args.b, args.h, args.m or args.n, args.n, args.d, torch.bfloat16, "cuda")
         fn = torch.compile(mod.attention, backend="flashlight", fullgraph=True)
@@ -91,10 +97,46 @@ def main() -> None:
             prof.disable()
             torch.cuda.synchronize()
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    with open(os.path.join(out_dir, "overhead.csv"), "w", newline="") as f:
+    with open(os.path.join(out_dir, "overhead_step.csv" if args.step else "overhead.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+
+
+def gpu_us(fn, calls: int = 20) -> float:
+    """GPU time per call: the CUDA kernels' durations in torch.profiler, summed, divided."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages()) / calls
+
+
+def step_row(name: str, args) -> dict:
+    mod = VARIANTS[name]
+    inputs = mod.make_inputs(args.b, args.h, args.m or args.n, args.n, args.d, torch.bfloat16, "cuda")
+    leaves = [x.requires_grad_() for x in inputs[:3]]
+    fn = torch.compile(mod.attention, backend="flashlight")
+    dout = torch.randn_like(fn(*inputs))
+
+    def step():
+        return torch.autograd.grad(fn(*inputs), leaves, dout)
+    row = dict(variant=name, d=args.d, n=args.n, step_us=1e3 * do_bench(step, warmup=10, rep=100, return_mode="median"),
+               step_host_us=host_us(step, 100), step_gpu_us=gpu_us(step))
+    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(prof).sort_stats(order).print_stats(25)
+    return row
 
 
 if __name__ == "__main__":

@@ -183,6 +183,13 @@ V2)  # session 22: ALiBi's forward and ALiBi's and DiffAttn's training at 85e207
     --time-limit 180 --out $OUT/flex128 > $OUT/flex128.txt 2>&1
   echo "flex128 rc $?"; tail -30 $OUT/flex128.txt | cut -c1-170
   ;;
+X)  # session 22 (V2 was taken back mid-run; ~390 s left): where the document mask's training step spends
+    # its host time (D=64: 1.03 ms against Flex's 0.69 on an H100), causal beside it, then ALiBi's A/B
+  timeout -k 10 120 python3 -m benchmarks.overhead --step --variants document_mask,causal --d 64 --profile \
+    > $OUT/overhead_step.txt 2>&1
+  echo "overhead rc $?"; grep -E "^variant=" $OUT/overhead_step.txt
+  bash "$0" AF
+  ;;
 R1)  # session 20: the GPU tests in full, then ALiBi's relative-position split (codegen.emit.relative_positions)
     # against the code before it (85e2075, .s19 carried), forward, D=128, same call
   timeout -k 10 370 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 | tee $OUT/test_gpu.txt \
