@@ -110,6 +110,8 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             s = s / math.sqrt(D)
         if softcap:
             s = 20.0 * torch.tanh(s / 20.0)
+        if nan_scores:                      # the DIFF Transformer's nan_to_num of the scores
+            s = torch.nan_to_num(s)
         if stop == "scores":                # half the scores' gradient stopped
             s = 0.5 * (s + s.detach())
         elif stop == "no_grad":             # a score-sized term computed without gradient
@@ -166,7 +168,10 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         if second != "none":                # a second, causal map at another temperature, same V
             s2 = (q @ k.transpose(-2, -1)) * (0.5 * D ** -0.5)
             p2 = torch.softmax(s2.masked_fill(ki > qi, float("-inf")), dim=-1)
-            o = o - ex["lam"] * (p2 @ v) if second == "difference" else 0.5 * (o + p2 @ v)
+            if combined:                    # the maps mixed before the product (the DIFF Transformer's code)
+                o = ((p - ex["lam"] * p2) if second == "difference" else 0.5 * (p + p2)) @ v
+            else:
+                o = o - ex["lam"] * (p2 @ v) if second == "difference" else 0.5 * (o + p2 @ v)
         if epilogue == "merge_heads":       # [B, M, H * Dv], a permuted store
             return o.transpose(1, 2).reshape(B, M, H * Dv)
         if epilogue == "rmsnorm":           # a dv-sum in the epilogue
@@ -197,10 +202,14 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     norm = rng.choice(["none"] * 8 + ["qk", "qkv"])      # drawn last, likewise
     # q, k and v as slices of one packed projection [B, M, (H·D | Hkv·D | Hkv·Dv)] (drawn last, likewise)
     packed = M == N and rng.random() < 0.15
+    # the two maps mixed before their product with v; nan_to_num of the scores (drawn last, likewise)
+    combined = second != "none" and not sdpa and rng.random() < 0.5
+    nan_scores = rng.random() < 0.1
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
-            f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed}")
+            f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
+            f"combined={combined} nan_scores={nan_scores}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program
