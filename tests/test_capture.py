@@ -272,6 +272,55 @@ def test_an_in_place_update_seen_through_an_earlier_view_is_not_read_as_out_of_p
         assert rel_error(out, reference(fn, q, k, v)) < 1e-4, fn.__name__
 
 
+def test_torch_max_and_min_of_two_tensors():
+    """``torch.max(s, floor)`` / ``torch.min(s, ceil)`` (the ``other`` overloads; OPT clamps its
+    scores with a 0-d tensor this way) fuse as maximum / minimum, forward and gradients."""
+    def opt(q, k, v, floor):
+        s = torch.max(q @ k.mT * 0.25 + torch.zeros(M, N).masked_fill(torch.ones(M, N).triu(1).bool(), -1e4), floor)
+        return torch.softmax(torch.min(s, torch.tensor(3.0)), -1) @ v
+    inputs = (*qkv(), torch.tensor(-50.0))
+    check_fused(opt, *inputs)
+    check_grads(opt, inputs)
+
+
+def test_embedding_table_read_in_the_kernel():
+    """T5's relative-position bias: ``F.embedding(bucket, table)`` of a bucket computed from
+    q - kv is the table read at the bucket in the kernel (no query-by-key bias built outside),
+    and the table's gradient is scatter-added, against float64."""
+    def t5(q, k, v, table):
+        rel = torch.arange(N)[None, :] - torch.arange(M)[:, None]
+        bucket = torch.clamp(rel, -7, 7) + 7 + 15 * (rel > 0).long()
+        bias = F.embedding(bucket, table).permute(2, 0, 1)[None]        # [1, H, M, N]
+        return torch.softmax(q @ k.mT + bias, -1) @ v
+    inputs = (*qkv(), torch.randn(30, H))
+    _, report = check_fused(t5, *inputs, score_numel=M * N)
+    assert "(30, 2)" in report.regions[0].ir
+    check_grads(t5, inputs)
+
+
+@pytest.mark.parametrize("start", [0, 8])
+def test_concatenated_mask_pieces_are_index_expressions(start):
+    """Llama 3's mask, ``hstack([zeros((L, start_pos)), triu(full(-inf), 1)])``: an empty piece
+    drops out (start_pos 0), two pieces are read piecewise along the key dim; both stay index
+    masks (blocks skipped). A piece that is a loaded tensor is read at its clamped index."""
+    def llama3(q, k, v):
+        L = q.shape[-2]
+        mask = torch.triu(torch.full((L, L), float("-inf")), diagonal=1)
+        mask = torch.hstack([torch.zeros((L, start)), mask])
+        return torch.softmax(q @ k.mT * 0.25 + mask, -1) @ v
+    q, k, v = qkv(m=40, n=40 + start)
+    _, report = check_fused(llama3, q, k, v)
+    assert {"block-sparse", "index-mask"} <= set(report.regions[0].features)
+    check_grads(llama3, (q, k, v))
+
+    def loaded_piece(q, k, v, keep):
+        mask = torch.cat([keep, torch.arange(N - 5)[None, :] <= torch.arange(M)[:, None]], dim=-1)
+        return torch.softmax((q @ k.mT).masked_fill(~mask, float("-inf")), -1) @ v
+    keep = torch.rand(M, 5) > 0.3
+    keep[:, 0] = True
+    check_fused(loaded_piece, *qkv(), keep)
+
+
 def test_nan_to_num_of_the_scores():
     """``nan_to_num`` (the DIFF Transformer applies it to its scores): a NaN query row scores 0
     everywhere (a uniform row), an infinite key takes its rows' whole weight or none; with

@@ -499,15 +499,43 @@ def _logsumexp(b, node, x, dims, keepdim=False):
 
 
 def _cat(b, node, tensors, dim=0):
-    """``torch.cat([scores, column], -1)``: an attention sink's logit appended after the N keys
-    (gpt-oss). Read at the key index it is ``cat_n(score, column)``, so a softmax over it spans
-    N + 1 positions; read at position N it is the column. Other concatenations stay leaves."""
+    """``torch.cat``. Empty operands drop out (Llama 3's ``hstack([zeros((L, start_pos)), mask])``
+    at start_pos 0). Scores with one column appended after the N keys are an attention sink's
+    logit (gpt-oss): read at the key index it is ``cat_n(score, column)``, so a softmax over it
+    spans N + 1 positions; read at position N it is the column. Other operands that need no
+    score tile (masks and biases built from indices or loads) are read piecewise along the dim,
+    each at its own clamped index; anything else stays a leaf."""
     shape = out_shape(node)
-    if len(tensors) != 2 or _norm_dim(dim, len(shape)) != len(shape) - 1:
-        return None
-    if out_shape(tensors[0])[-1] != b.N or out_shape(tensors[1])[-1] != 1:
-        return b.decline(node, "torch.cat fuses only as one column appended after the N keys")
-    sa, se = b.sym(tensors[0]), b.sym(tensors[1])
+    dim = _norm_dim(dim, len(shape))
+    tensors = [t for t in tensors if len(out_shape(t)) != len(shape) or out_shape(t)[dim] != 0]
+    if len(tensors) == 1:
+        return _identity(b, node, tensors[0])
+    if dim == len(shape) - 1 and len(tensors) == 2 and out_shape(tensors[0])[-1] == b.N and \
+            out_shape(tensors[1])[-1] == 1:
+        return _sink_column(b, node, *tensors)
+    syms = [b.sym(t) for t in tensors]
+    if any(len(x.shape) != len(shape) for x in syms):
+        return None         # a legacy 1-D empty tensor beside others: not worth a rule
+    kind, leaf = kind_of(meta(node).dtype), b.leaf(node)
+    starts = list(itertools.accumulate([0] + [x.shape[dim] for x in syms]))
+
+    def fn(idx):
+        i = idx[dim]
+        parts = [coerce(x(idx[:dim] + (call("minimum", call("maximum", call("sub", i, const(lo)), const(0)),
+                                            const(x.shape[dim] - 1)),) + idx[dim + 1:]), kind)
+                 for x, lo in zip(syms, starts)]
+        if any(refs(e, "dot") or refs(e, "red") for e in parts):
+            b.decline(node, "torch.cat of scores fuses only as one column appended after the N keys")
+            return leaf(idx)
+        out = parts[-1]
+        for e, hi in zip(reversed(parts[:-1]), reversed(starts[1:-1])):
+            out = call("where", call("lt", i, const(hi)), e, out)
+        return out
+    return Sym(shape, kind, fn)
+
+
+def _sink_column(b, node, scores, col):
+    sa, se = b.sym(scores), b.sym(col)
     kind, leaf = kind_of(meta(node).dtype), b.leaf(node)
 
     def fn(idx):
@@ -517,7 +545,28 @@ def _cat(b, node, tensors, dim=0):
         if is_const(idx[-1], b.N):
             return column
         return leaf(idx)
-    return Sym(shape, kind, fn)
+    return Sym(out_shape(node), kind, fn)
+
+
+def _stack_h(b, node, tensors):
+    """``torch.hstack``: cat along dim 1 (dim 0 of 1-D tensors)."""
+    return _cat(b, node, tensors, 1 if len(out_shape(node)) > 1 else 0)
+
+
+def _embedding(b, node, weight, indices, padding_idx=-1, *_):
+    """``F.embedding(idx, table)``: ``table[idx]`` (T5's relative-position bias). A padding row
+    gets no gradient in eager: that one declines."""
+    if padding_idx not in (None, -1):
+        return None
+    return _index(b, node, weight, [indices])
+
+
+def _extremum(op: str):
+    """``torch.max(a, b)`` / ``torch.min(a, b)`` (the ``other`` overloads: OPT clamps its scores
+    with it); the reducing overloads stay leaves."""
+    binary_rule = binary(op)
+    return lambda b, node, *args, **kw: binary_rule(b, node, *args, **kw) \
+        if node.target._overloadname == "other" else None
 
 
 def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, ...] | None = None,
@@ -693,6 +742,7 @@ RULES.update({
     aten.add: _add, aten.sub: _sub, aten.rsub: _rsub, aten.mul: binary("mul"), aten.div: _div,
     aten.true_divide: binary("div"), aten.floor_divide: binary("floordiv"),
     aten.remainder: binary("mod"), aten.maximum: binary("maximum"), aten.minimum: binary("minimum"),
+    aten.max: _extremum("maximum"), aten.min: _extremum("minimum"),
     aten.pow: _pow, aten.clamp: _clamp, aten.clamp_min: lambda b, n, x, lo: _clamp(b, n, x, lo),
     aten.clamp_max: lambda b, n, x, hi: _clamp(b, n, x, None, hi),
     aten.neg: unary("neg"), aten.abs: unary("abs"), aten.sign: unary("sign"),
@@ -722,7 +772,7 @@ RULES.update({
     aten.expand_as: _expand, aten.view: _reshape, aten.reshape: _reshape, aten._unsafe_view: _reshape,
     aten.flatten: _reshape, aten.unflatten: _reshape,
     aten.slice: _slice, aten.select: _select, aten.cat: _cat, aten.repeat_interleave: _repeat_interleave,
-    aten.repeat: _repeat, aten.index: _index,
+    aten.repeat: _repeat, aten.index: _index, aten.hstack: _stack_h, aten.embedding: _embedding,
     # index generators
     aten.arange: _arange,
     aten.ones: _fill(lambda a, k: 1), aten.zeros: _fill(lambda a, k: 0),
