@@ -104,15 +104,9 @@ def main() -> None:
 
 
 def gpu_us(fn, calls: int = 20) -> float:
-    """GPU time per call: the CUDA kernels' durations in torch.profiler, summed, divided."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / calls
+    """GPU time per call: the CUDA kernels' durations in torch.profiler, summed."""
+    from .kernels import kernel_times
+    return sum(us for us, _ in kernel_times(fn, calls).values())
 
 
 def step_row(name: str, args) -> dict:

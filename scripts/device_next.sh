@@ -149,12 +149,18 @@ U0)  # session 21 (six failed starts left ~500 s): the GPU tests of the changed 
   ;;
 U1)  # session 21 (failed starts left ~700 s): the GPU tests the score rewrites and stored slices reach,
     # then issue #5's training table
+  bash "$0" GT
+  LIMIT=150 bash "$0" TR
+  ;;
+GT)  # the GPU tests that sessions 20-22's changes reach
   timeout -k 10 220 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
     -k "bf16_forward_and_gradients or gluon_forward_matches or gluon_tile_kernels or fused_dq" 2>&1 | tee $OUT/test_gpu.txt \
     | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
-  timeout -k 10 170 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
-    --no-plots --time-limit 150 --out $OUT/training > $OUT/training.txt 2>&1
-  echo "training rc $?"; tail -14 $OUT/training.txt | cut -c1-170
+  ;;
+TR)  # issue #5's training table, starting no case after $LIMIT seconds
+  timeout -k 10 $((LIMIT + 20)) python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+    --no-plots --time-limit $LIMIT --out $OUT/training > $OUT/training.txt 2>&1
+  echo "training rc $?"; tail -17 $OUT/training.txt | cut -c1-170
   ;;
 U2)  # session 21: ALiBi (forward and training) and DiffAttn (training) at 85e2075 (.s19) against this code
   bash "$0" AF
@@ -165,12 +171,8 @@ U2)  # session 21: ALiBi (forward and training) and DiffAttn (training) at 85e20
   ;;
 V1)  # session 22 (failed starts): the GPU tests the changes reach (DiffAttn both ways, stored slices, ALiBi's
     # score rewrite), then issue #5's training table (with the DIFF Transformer's own spelling)
-  timeout -k 10 220 python3 -m pytest -v -p no:cacheprovider --durations=0 tests/test_gpu.py \
-    -k "bf16_forward_and_gradients or gluon_forward_matches or gluon_tile_kernels or fused_dq" 2>&1 | tee $OUT/test_gpu.txt \
-    | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
-  timeout -k 10 330 python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
-    --no-plots --time-limit 300 --out $OUT/training > $OUT/training.txt 2>&1
-  echo "training rc $?"; tail -17 $OUT/training.txt | cut -c1-170
+  bash "$0" GT
+  LIMIT=300 bash "$0" TR
   ;;
 V2)  # session 22: ALiBi's forward and ALiBi's and DiffAttn's training at 85e2075 (.s19), DiffAttn's two
     # spellings' forwards, then the flex suite's D=128 half (the first-call misses)
