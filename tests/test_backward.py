@@ -241,7 +241,8 @@ def test_index_sets_of_interleaved_heads():
     set too large to list is refused."""
     from flashlight.codegen import gradients
     assert gradients._indices([(16, 2), (1, 8)], 8) == frozenset([*range(8, 16), *range(24, 32)])
-    assert gradients._indices([(8, 4), (1, 8)], 0) == range(0, 32) and gradients._indices([(2, 5)], 1) == range(1, 11, 2)
+    assert gradients._indices([(8, 4), (1, 8)], 0) == range(0, 32)
+    assert gradients._indices([(2, 5)], 1) == range(1, 11, 2)
     assert gradients._indices([(4, 2), (1, 8)], 0) is None
     assert gradients.partition([(gradients._indices([(16, 2), (1, 8)], c), range(3)) for c in (0, 8)], (32, 3))
     assert not gradients.partition([(gradients._indices([(16, 2), (1, 8)], c), range(3)) for c in (0, 16)], (32, 3))

@@ -216,4 +216,5 @@ def test_the_reference_keeps_every_head_of_a_grouped_case():
     heads with the wrong K/V head (session 22: RoPE + GQA read 2.1 for every backend)."""
     rope = Case("training", "rope", "rope", 4, 16, 64, 64, 32, "fwd+bwd")
     assert measure.ref_heads(rope) == measure.REF_HEADS
-    assert measure.ref_heads(Case("training", "rope_gqa_4", "rope", 4, 16, 64, 64, 32, "fwd+bwd", (("group", 4),))) is None
+    gqa = Case("training", "rope_gqa_4", "rope", 4, 16, 64, 64, 32, "fwd+bwd", (("group", 4),))
+    assert measure.ref_heads(gqa) is None

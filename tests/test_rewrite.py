@@ -6,7 +6,7 @@ from flashlight.ir import Reduction, call, const, dot, red, var, walk
 from flashlight.ir.evaluate import evaluate
 from flashlight.ir.expr import load
 from flashlight.ir.region import Dot, Input
-from flashlight.rewrite import base2, factor_rows, make_online, rewrite, scales, split_offsets
+from flashlight.rewrite import base2, factor_rows, make_online, rewrite, scales, split_offsets, split_sums
 from test_ir import softmax_region
 
 n = var("n")
@@ -312,3 +312,29 @@ def test_base2_does_not_fold_into_a_per_program_factor_of_a_float_value():
     r = _masked_softmax(float("-inf"), bias=big)
     r.inputs.append(Input("flag", (2,), torch.float32))
     assert base2(rewrite_online_only(r)) is None
+
+
+def test_a_product_of_two_softmaxes_is_split_into_one_pass():
+    """(p1 - p2 / 2) @ v with p1, p2 softmaxes of two temperatures (two maxes): split into one
+    product per map, each online in the first pass; the same values. A product that one max
+    rescales already (e1 + e1 * n, e1 = exp(s - m)) is left alone, and so is one whose part needs a second pass."""
+    r = softmax_region()
+    s2 = call("mul", dot(0), const(0.25))
+    r.reductions += [Reduction("max", s2), Reduction("sum", call("exp", call("sub", s2, red(3))))]
+    p1 = call("div_safe", call("exp", call("sub", call("mul", dot(0), const(0.5)), red(0))), red(1))
+    p2 = call("div_safe", call("exp", call("sub", s2, red(3))), red(4))
+    v = r.reductions[2].v
+    r.reductions.append(Reduction("dot", call("sub", p1, call("mul", p2, const(0.5))), v))
+    r.out = red(5)
+    q, k, vv = torch.randn(2, 5, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 4)
+    before = evaluate(r, [q, k, vv])
+    r2 = split_sums(r)
+    assert r2 is not None and len(r2.reductions) == 7 and r2.out == call("sub", red(5), red(6))
+    assert torch.allclose(evaluate(r2, [q, k, vv]), before, atol=1e-6)
+    assert rewrite(r).passes() == [list(range(7))]
+    e1 = call("exp", call("sub", call("mul", dot(0), const(0.5)), red(0)))
+    r.reductions[5] = Reduction("dot", call("add", e1, call("mul", e1, call("to_f", n))), v)
+    assert split_sums(r) is None                                        # one max rescales it already
+    d = call("sub", call("mul", dot(0), const(0.5)), red(0))
+    r.reductions[5] = Reduction("dot", call("sub", p2, call("mul", d, d)), v)
+    assert split_sums(r) is None                                        # (s - m)^2 waits for m anyway

@@ -96,8 +96,10 @@ def _nan_to_num(b, node, x, nan=0.0, posinf=None, neginf=None):
         return _identity(b, node, x)
     fi = torch.finfo(dtype)
     lo, hi = (fi.min if neginf is None else neginf), (fi.max if posinf is None else posinf)
-    return pointwise(b, node, lambda a: call("where", call("ne", a, a), const(float(nan)),
-                                             call("minimum", call("maximum", a, const(float(lo))), const(float(hi)))), x)
+    def f(a):
+        clamped = call("minimum", call("maximum", a, const(float(lo))), const(float(hi)))
+        return call("where", call("ne", a, a), const(float(nan)), clamped)      # a != a: NaN
+    return pointwise(b, node, f, x)
 
 
 def _pow(b, node, x, y):
@@ -553,10 +555,10 @@ def _stack_h(b, node, tensors):
     return _cat(b, node, tensors, 1 if len(out_shape(node)) > 1 else 0)
 
 
-def _embedding(b, node, weight, indices, padding_idx=-1, *_):
+def _embedding(b, node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """``F.embedding(idx, table)``: ``table[idx]`` (T5's relative-position bias). A padding row
-    gets no gradient in eager: that one declines."""
-    if padding_idx not in (None, -1):
+    (no gradient in eager) or gradients scaled by frequency decline."""
+    if padding_idx not in (None, -1) or scale_grad_by_freq:
         return None
     return _index(b, node, weight, [indices])
 

@@ -166,10 +166,13 @@ def one_pass(body: Expr, region: Region) -> bool:
 def _insert_red(region: Region, j: int, new: Reduction, combined: Expr) -> Region:
     """``region`` with ``new`` as reduction j + 1 (later ones renumbered) and every read of red j
     after it replaced by ``combined`` (which reads red j and red j + 1)."""
-    shift = lambda e: substitute(e, lambda x: red(x.args[0] + 1) if x.op == "red" and x.args[0] > j else None)  # noqa: E731
-    comb = lambda e: substitute(shift(e), lambda x: combined if x == red(j) else None)  # noqa: E731
-    moved = lambda r: replace(r, body=comb(r.body), extra=None if r.extra is None else comb(r.extra),  # noqa: E731
-                              online=r.online + 1 if r.online is not None and r.online > j else r.online)
+    def comb(e: Expr) -> Expr:
+        shifted = substitute(e, lambda x: red(x.args[0] + 1) if x.op == "red" and x.args[0] > j else None)
+        return substitute(shifted, lambda x: combined if x == red(j) else None)
+
+    def moved(r: Reduction) -> Reduction:
+        return replace(r, body=comb(r.body), extra=None if r.extra is None else comb(r.extra),
+                       online=r.online + 1 if r.online is not None and r.online > j else r.online)
     reds = [*region.reductions[:j + 1], new, *(moved(r) for r in region.reductions[j + 1:])]
     rows = [replace(x, expr=comb(x.expr)) for x in region.rows]
     return replace(region, reductions=reds, out=comb(region.out), rows=rows)
@@ -228,6 +231,8 @@ ONLINE: dict[str, Callable[[Expr, int, bool], bool]] = {
     "div": lambda e, j, b2: scales(e.args[0], j, b2) and _free(e.args[1], j),
     "div_safe": lambda e, j, b2: scales(e.args[0], j, b2) and _free(e.args[1], j),
     "neg": lambda e, j, b2: scales(e.args[0], j, b2),
+    "add": lambda e, j, b2: scales(e.args[0], j, b2) and scales(e.args[1], j, b2),     # e(m) + f(m) scale alike
+    "sub": lambda e, j, b2: scales(e.args[0], j, b2) and scales(e.args[1], j, b2),
     "where": lambda e, j, b2: _free(e.args[0], j) and all(scales(a, j, b2) or _is_zero(a) for a in e.args[1:]),
     "to_f": lambda e, j, b2: scales(e.args[0], j, b2),
 }
