@@ -1,3 +1,8 @@
+# Session 23's plan (session 22 ran V1 on an H100; V2 was taken back mid-run; docs/notes.md "Session 22"):
+#   on an H200, R1 (the GPU tests in full: session 22's GT stopped at 220 s inside the Gluon forward's
+#   gated case), then V2 (~9 min: the A/Bs against 85e2075, DiffAttn's two spellings, flex D=128), then
+#   X (the document step's host time), then TR with LIMIT=300 (the training table on the H200, RoPE +
+#   GQA's reference fixed). Prepare .s19 first: git archive 85e2075 | (mkdir -p .s19 && tar -x -C .s19)
 # Session 22 (itself without a machine for its first tries): V1 (~9 min: the GPU tests the changes reach,
 #   the training table), then V2 (~9 min: the A/Bs against 85e2075, DiffAttn's two spellings, flex D=128).
 # Session 22's plan: session 21 got no machine (eight failed starts; docs/notes.md "Session 21"). With the
