@@ -298,6 +298,26 @@ def test_embedding_table_read_in_the_kernel():
     check_grads(t5, inputs)
 
 
+def test_gathered_relative_position_scores():
+    """DeBERTa's disentangled attention: ``gather(q @ rel_k^T, -1, clamp(m - n + K, 0, 2K - 1))``
+    (content to position) and its transposed position-to-content twin. The products are
+    query-by-2K (small, computed outside) and read in the kernel at the gathered index: no
+    query-by-key tensor is built outside; gradients reach q, k and the position embeddings."""
+    K = 4
+
+    def deberta(q, k, v, rel_k, rel_q):
+        pos = (torch.arange(M)[:, None] - torch.arange(N)[None, :]).clamp(-K, K - 1) + K       # [M, N] in [0, 2K)
+        c2p = torch.gather(q @ rel_k.mT, -1, pos.expand(B, H, M, N))
+        p2c = torch.gather(k @ rel_q.mT, -1, (2 * K - 1 - pos).mT.expand(B, H, N, M)).mT
+        return torch.softmax((q @ k.mT + c2p + p2c) * 0.2, -1) @ v
+    inputs = (*qkv(), torch.randn(H, 2 * K, D), torch.randn(H, 2 * K, D))
+    _, report = check_fused(deberta, *inputs)
+    planes = [n.name for g in report.graphs for n in g.graph.nodes if n.op == "call_function" and
+              isinstance(n.meta.get("val"), torch.Tensor) and set(n.meta["val"].shape[-2:]) == {M, N}]
+    assert not planes, planes
+    check_grads(deberta, inputs)
+
+
 @pytest.mark.parametrize("start", [0, 8])
 def test_concatenated_mask_pieces_are_index_expressions(start):
     """Llama 3's mask, ``hstack([zeros((L, start_pos)), triu(full(-inf), 1)])``: an empty piece

@@ -348,6 +348,18 @@ def _index(b, node, x, indices):
     return Sym(shape, sx.kind, fn)
 
 
+def _gather(b, node, x, dim, index, sparse_grad=False):
+    """``torch.gather(x, dim, index)``: x read at ``index`` along ``dim`` (DeBERTa's
+    content-to-position scores: a query-by-2k product gathered at clamped relative positions, so
+    the kernel reads the small product instead of a query-by-key tensor built outside)."""
+    sx, si = b.sym(x), b.sym(index)
+    if si.kind != "i":
+        return None
+    shape = out_shape(node)
+    dim = _norm_dim(dim, len(shape))
+    return Sym(shape, sx.kind, lambda idx: sx(idx[:dim] + (si(idx),) + idx[dim + 1:]))
+
+
 # -- index generators -------------------------------------------------------------------------
 def _arange(b, node, *args, **kwargs):
     nums = [a for a in args if isinstance(a, (int, float))]
@@ -775,6 +787,7 @@ RULES.update({
     aten.flatten: _reshape, aten.unflatten: _reshape,
     aten.slice: _slice, aten.select: _select, aten.cat: _cat, aten.repeat_interleave: _repeat_interleave,
     aten.repeat: _repeat, aten.index: _index, aten.hstack: _stack_h, aten.embedding: _embedding,
+    aten.gather: _gather,
     # index generators
     aten.arange: _arange,
     aten.ones: _fill(lambda a, k: 1), aten.zeros: _fill(lambda a, k: 0),
