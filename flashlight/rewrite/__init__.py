@@ -153,14 +153,7 @@ def one_pass(body: Expr, region: Region) -> bool:
     pulling out its row factors it rescales with one running max (``make_online``'s test)?"""
     x, _ = pull(body, region)
     reads = refs(x, "red")
-    if not reads:
-        return True
-    for j in reads:
-        m = region.reductions[j]
-        if m.kind == "max" and scales(x, j, m.base2) and \
-                all(region.reductions[o].kind != "dot" for o in reads - {j}):
-            return True
-    return False
+    return not reads or any(rescales_with(x, j, reads, region) for j in reads)
 
 
 def _insert_red(region: Region, j: int, new: Reduction, combined: Expr) -> Region:
@@ -252,18 +245,23 @@ def scales(e: Expr, j: int, base2: bool = False) -> bool:
     return bool(rule and rule(e, j, base2))
 
 
+def rescales_with(body: Expr, j: int, reads: frozenset[int], region: Region) -> bool:
+    """May a sum of ``body`` (which, with its extra element, reads reductions ``reads``) run in the
+    pass of max ``j``: it scales with j, and no other reduction it reads is a P @ V product?"""
+    m = region.reductions[j]
+    return m.kind == "max" and scales(body, j, m.base2) and \
+        all(region.reductions[o].kind != "dot" for o in reads - {j})
+
+
 def make_online(region: Region) -> Region | None:
     for i, r in enumerate(region.reductions):
         if r.kind == "max" or r.online is not None:
             continue
-        maxes = [j for j in refs(r.body, "red") if region.reductions[j].kind == "max"]
-        for j in maxes:
-            others = r.reads() - {j}
+        for j in refs(r.body, "red"):
             # an extra element is seeded before the loop: the max it reads must be seeded too
-            b2 = region.reductions[j].base2
-            seeded = r.extra is None or (scales(r.extra, j, b2) and region.reductions[j].extra is not None)
-            if scales(r.body, j, b2) and seeded and \
-                    all(region.reductions[o].kind != "dot" for o in others):
+            m = region.reductions[j]
+            seeded = r.extra is None or (scales(r.extra, j, m.base2) and m.extra is not None)
+            if seeded and rescales_with(r.body, j, r.reads(), region):
                 reds = list(region.reductions)
                 reds[i] = replace(r, online=j)
                 return replace(region, reductions=reds)
