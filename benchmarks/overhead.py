@@ -56,51 +56,61 @@ def main() -> None:
     args = p.parse_args()
     out_dir = os.environ.get("OUT", args.out)
     os.makedirs(out_dir, exist_ok=True)
+    row_of = step_row if args.step else layers_row
+    rows = [row_of(name, args) for name in args.variants.split(",")]
+    with open(os.path.join(out_dir, "overhead_step.csv" if args.step else "overhead.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _inputs(name: str, args) -> list:
+    return VARIANTS[name].make_inputs(args.b, args.h, args.m or args.n, args.n, args.d, torch.bfloat16, "cuda")
+
+
+def _report(row: dict, fn, calls: int, profile: bool, orders: tuple[str, ...], top: int) -> dict:
+    """Print ``row``; with ``profile``, cProfile's ``top`` entries of ``calls`` calls of ``fn`` per order."""
+    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        for order in orders:
+            pstats.Stats(prof).sort_stats(order).print_stats(top)
+    return row
+
+
+def layers_row(name: str, args) -> dict:
+    """One forward call's layers: the compiled function, the op, ``infer``, ``launch``, the kernel."""
+    inputs = _inputs(name, args)
+    fn = torch.compile(VARIANTS[name].attention, backend="flashlight", fullgraph=True)
     captured: dict[str, list] = {}
     run_all = rt.CompiledRegion.run_all
 
     def recording(self, inputs, *args, **kwargs):
         captured[self.key] = inputs
         return run_all(self, inputs, *args, **kwargs)
-    rows = []
-    for name in args.variants.split(",") if args.step else ():
-        rows.append(step_row(name, args))
-    for name in args.variants.split(",") if not args.step else ():
-        mod = VARIANTS[name]
-        inputs = mod.make_inputs(args.b, args.h, args.m or args.n, args.n, args.d, torch.bfloat16, "cuda")
-        fn = torch.compile(mod.attention, backend="flashlight", fullgraph=True)
-        rt.CompiledRegion.run_all = recording     # this script's probe: record the region inputs
-        captured.clear()
-        fn(*inputs)
-        rt.CompiledRegion.run_all = run_all
-        (key, leaves), = captured.items()
-        c = rt.REGISTRY[key]
-        cfg = c.config(leaves)
-        layers = {
-            "compiled": lambda: fn(*inputs),
-            "op": lambda: torch.ops.flashlight.region_infer(key, leaves),
-            "infer": lambda: c.infer(leaves),
-            "launch": lambda: c.launch(leaves, cfg, stats=False),
-        }
-        row = dict(variant=name, d=args.d, n=args.n)
-        for layer, f in layers.items():
-            row[f"{layer}_us"] = 1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
-            row[f"{layer}_host_us"] = host_us(f)
-        row["kernel_us"] = 1e3 * do_bench_cudagraph(layers["launch"], rep=50, return_mode="median")
-        rows.append(row)
-        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-        if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(200):
-                fn(*inputs)
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    with open(os.path.join(out_dir, "overhead_step.csv" if args.step else "overhead.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    rt.CompiledRegion.run_all = recording     # this script's probe: record the region inputs
+    fn(*inputs)
+    rt.CompiledRegion.run_all = run_all
+    (key, leaves), = captured.items()
+    c = rt.REGISTRY[key]
+    cfg = c.config(leaves)
+    layers = {
+        "compiled": lambda: fn(*inputs),
+        "op": lambda: torch.ops.flashlight.region_infer(key, leaves),
+        "infer": lambda: c.infer(leaves),
+        "launch": lambda: c.launch(leaves, cfg, stats=False),
+    }
+    row = dict(variant=name, d=args.d, n=args.n)
+    for layer, f in layers.items():
+        row[f"{layer}_us"] = 1e3 * do_bench(f, warmup=10, rep=50, return_mode="median")
+        row[f"{layer}_host_us"] = host_us(f)
+    row["kernel_us"] = 1e3 * do_bench_cudagraph(layers["launch"], rep=50, return_mode="median")
+    return _report(row, layers["compiled"], 200, args.profile, ("tottime",), 18)
 
 
 def gpu_us(fn, calls: int = 20) -> float:
@@ -110,27 +120,17 @@ def gpu_us(fn, calls: int = 20) -> float:
 
 
 def step_row(name: str, args) -> dict:
-    mod = VARIANTS[name]
-    inputs = mod.make_inputs(args.b, args.h, args.m or args.n, args.n, args.d, torch.bfloat16, "cuda")
+    """A training step (forward and backward, a fixed dO): median, host and GPU time."""
+    inputs = _inputs(name, args)
     leaves = [x.requires_grad_() for x in inputs[:3]]
-    fn = torch.compile(mod.attention, backend="flashlight")
+    fn = torch.compile(VARIANTS[name].attention, backend="flashlight")
     dout = torch.randn_like(fn(*inputs))
 
     def step():
         return torch.autograd.grad(fn(*inputs), leaves, dout)
     row = dict(variant=name, d=args.d, n=args.n, step_us=1e3 * do_bench(step, warmup=10, rep=100, return_mode="median"),
                step_host_us=host_us(step, 100), step_gpu_us=gpu_us(step))
-    print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    if args.profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(100):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        for order in ("tottime", "cumulative"):
-            pstats.Stats(prof).sort_stats(order).print_stats(25)
-    return row
+    return _report(row, step, 100, args.profile, ("tottime", "cumulative"), 25)
 
 
 if __name__ == "__main__":
