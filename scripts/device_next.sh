@@ -76,6 +76,23 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+W1)  # session 23: RoPE's training rows with the rotated Q loaded (capture.rules.computed_operand) against
+    # the code before it (.s22 = 53db442, carried), then launch-config sweeps for DiffAttn's forward and
+    # dK/dV (offline sm_90: 128x64w8s3 forward spills 168 bytes, 64x64w8s3 none; dK/dV 32x64w4s3 180,
+    # 16x64w4s3 none) and the document mask's dK/dV and dQ at D=128
+  timeout -k 10 150 python3 -m benchmarks.run --suite training --only rope,rope_gqa_4 --backends flashlight,inductor \
+    --no-plots --time-limit 130 --out $OUT/rope > $OUT/rope.txt 2>&1
+  echo "rope training rc $?"; tail -6 $OUT/rope.txt | cut -c1-150
+  (cd .s22 && PYTHONPATH=. timeout -k 10 110 python3 -m benchmarks.run --suite training --only rope --backends flashlight \
+    --no-plots --time-limit 95 --out $OUT/rope_s22 > $OUT/rope_s22.txt 2>&1)
+  echo "rope training at 53db442 rc $?"; tail -4 $OUT/rope_s22.txt | cut -c1-150
+  timeout -k 10 90 python3 -m benchmarks.configs --variants diff_attention --d 128 \
+    --configs 128x64w8s3,64x64w8s3,64x64w8s2,64x64w4s3,64x32w4s3,128x32w8s3 --out $OUT 2>&1 | nogrep | tail -9
+  timeout -k 10 120 python3 -m benchmarks.backward_configs --variants diff_attention,document_mask --d 128 --kernels dkdv \
+    --configs 32x64w4s3,16x64w4s3,16x64w4s4,32x128w8s3,16x128w8s3 --out $OUT/dkdv 2>&1 | nogrep | cut -c1-150 | tail -14
+  timeout -k 10 90 python3 -m benchmarks.backward_configs --variants document_mask --d 128 --kernels dq \
+    --out $OUT/dq 2>&1 | nogrep | cut -c1-150 | tail -10
+  ;;
 G)  # the GPU tests alone (~4 min)
   timeout -k 10 220 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -12 $OUT/test_gpu.txt | cut -c1-300

@@ -459,6 +459,44 @@ def test_baddbmm_with_beta_zero_ignores_its_input():
     check_fused(scores_from_a_buffer, q, k, v, buf)
 
 
+def test_computed_query_operands_load_as_leaves_in_training():
+    """In training, a Q operand that reads two or more floating [m, dk] tiles (RoPE on q, q plus a
+    learned position table) is computed once outside the kernel and loaded: the dK/dV kernel
+    would compute every Q tile again for each key block, and the dQ kernel would hold the
+    operand's tiles across its loop for the chain rule. For inference it stays in the kernel
+    (computed once per query block), and so does a per-row factor in training (``q * g[m]``).
+    Gradients of every input, the tables' included, against float64."""
+    from flashlight.examples import VARIANTS
+    from flashlight.runtime.op import REGISTRY
+    rope = VARIANTS["rope"]
+
+    def positioned(q, k, v, pos):
+        return torch.softmax((q + pos) @ k.mT * 0.25, -1) @ v
+
+    def row_scaled(q, k, v, g):
+        return torch.softmax((q * g[..., None]) @ k.mT * 0.25, -1) @ v
+
+    def fresh():
+        REGISTRY.clear()
+        torch.compiler.reset()
+
+    def q_operand(fn, inputs, grad):
+        fresh()
+        with torch.set_grad_enabled(grad):
+            check_fused(fn, *[x.detach().requires_grad_(grad) for x in inputs])
+        (c,) = REGISTRY.values()
+        return c.region.dots[0].q.op
+
+    for fn, inputs, trained in [
+            (rope.attention, rope.make_inputs(B=B, H=H, M=M, N=N, D=D), "load"),
+            (positioned, (*qkv(), torch.randn(M, D)), "load"),
+            (row_scaled, (*qkv(), torch.rand(B, H, M) + 0.5), "mul")]:
+        assert q_operand(fn, inputs, grad=False) == ("add" if fn is not row_scaled else "mul"), fn.__name__
+        assert q_operand(fn, inputs, grad=True) == trained, fn.__name__
+        fresh()
+        check_grads(fn, [x.detach().requires_grad_() for x in inputs])
+
+
 @pytest.mark.parametrize("kv_leaves", ["1", "0"])
 def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
     """A K or V operand that reads two or more floating tensors along the keys (RoPE on k, QK-norm,

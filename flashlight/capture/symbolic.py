@@ -49,7 +49,7 @@ def meta(node) -> torch.Tensor | None:
 # ops each of whose elements is an element of their first argument: views, copies, and GQA's
 # expansion of k and v by ``repeat_interleave`` or ``repeat``. A cast commutes with them
 # (``autocast``), and a K or V operand computed outside the kernel is loaded from the tensor
-# they move (``rules.key_operand``).
+# they move (``rules.computed_operand``).
 MOVES = {aten.view, aten.reshape, aten._unsafe_view, aten.permute, aten.transpose, aten.t, aten.mT,
          aten.unsqueeze, aten.squeeze, aten.flatten, aten.unflatten, aten.expand, aten.expand_as,
          aten.slice, aten.select, aten.repeat_interleave, aten.repeat, aten.alias, aten.contiguous,

@@ -3,7 +3,8 @@ applied inside the attention function, as Llama's ``apply_rotary_pos_emb`` does:
 rotated by position-dependent angles before their product. With fewer K/V heads than query
 heads (``group`` > 1), k and v are then repeated up to the query heads, in Llama's order
 (``repeat_kv`` after the rotation). The rotated K is computed once outside the kernel, at its own
-K/V heads (``capture.rules.key_operand``), the rotated Q in the kernel."""
+K/V heads (``capture.rules.computed_operand``); the rotated Q in the kernel for inference, and
+outside it too in training, where the backward would compute it again per key block."""
 import torch
 
 
