@@ -122,6 +122,26 @@ def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
     assert fresh(False).config(inputs) == two[1] and timed == [1]
 
 
+def test_backward_defaults_follow_the_mask_and_the_score_tiles():
+    """The backward kernels' default configs (``tune.backward_heuristic``) see what the region
+    is: a mask whose live blocks depend on loaded values (the document mask: its forward keeps
+    block statistics) gets the dQ config measured for it, an index-only mask (causal) does not;
+    two score tiles at D=128 (DiffAttn) get their own dK/dV config."""
+    from flashlight.examples import VARIANTS
+    from flashlight.runtime import op
+    from flashlight.tune import Config
+
+    def defaults(name, D):
+        mod = VARIANTS[name]
+        r = flashlight.explain(mod.attention, *mod.make_inputs(B=1, H=2, M=40, D=D)).regions[0]
+        c = op.REGISTRY[r.key]
+        return c.default_config("dkdv"), c.default_config("dq")
+    doc, causal_, diff = defaults("document_mask", 128), defaults("causal", 128), defaults("diff_attention", 128)
+    assert doc[1] == Config(64, 32, 4, 4) != causal_[1]
+    assert diff[0] == Config(16, 64, 4, 4) != causal_[0] == doc[0]
+    assert defaults("document_mask", 64)[1] == Config(64, 32, 4, 4) != defaults("causal", 64)[1]
+
+
 def test_max_autotune_mode_reaches_the_compiled_region():
     from flashlight._compat import mode_options
     from flashlight.backend import wants_autotune

@@ -295,7 +295,7 @@ class CompiledRegion:
         r = self.region
         block_d = max(head_block(r.DK), head_block(r.DV))
         return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-            backward_heuristic(block_d, kernel, self.sparse, len(r.dots))
+            backward_heuristic(block_d, kernel, self.sparse, len(r.dots), loaded_mask=self.sparse and bool(self.stats))
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
