@@ -76,6 +76,13 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+W2)  # session 23: issue #5's training table with W1's results in (the rotated Q loaded in training, the
+    # backward's new defaults), then full attention D=64 at 1x16384 against cuDNN (#6's 0.9 target)
+  LIMIT=250 bash "$0" TR
+  timeout -k 10 80 python3 -m benchmarks.run --suite flex --only full --dims 64 --shapes 1x16384 \
+    --backends flashlight,flex,sdpa_cudnn --no-plots --time-limit 60 --out $OUT/full64 > $OUT/full64.txt 2>&1
+  echo "full D=64 rc $?"; tail -3 $OUT/full64.txt | cut -c1-150
+  ;;
 W1)  # session 23: RoPE's training rows with the rotated Q loaded (capture.rules.computed_operand) against
     # the code before it (.s22 = 53db442, carried), then launch-config sweeps for DiffAttn's forward and
     # dK/dV (offline sm_90: 128x64w8s3 forward spills 168 bytes, 64x64w8s3 none; dK/dV 32x64w4s3 180,
