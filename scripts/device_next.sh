@@ -76,6 +76,14 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+W3)  # session 23: where the document mask's first call goes at D=128 (#6's two misses, 10-24 ms) against
+    # causal's and Flex's, phase timers (never run on a GPU); DiffAttn's forward against Inductor's
+  timeout -k 10 170 python3 -m benchmarks.first_call --variants document_12,causal --d 128 --systems flashlight,flex \
+    2>&1 | nogrep | tee $OUT/first_call.txt | tail -8
+  timeout -k 10 100 python3 -m benchmarks.run --suite beyond --only diff_attention --shapes 4x4096 --backends flashlight,inductor \
+    --no-plots --time-limit 80 --out $OUT/diff > $OUT/diff.txt 2>&1
+  echo "diff rc $?"; tail -3 $OUT/diff.txt | cut -c1-150
+  ;;
 W2)  # session 23: issue #5's training table with W1's results in (the rotated Q loaded in training, the
     # backward's new defaults), then full attention D=64 at 1x16384 against cuDNN (#6's 0.9 target)
   LIMIT=250 bash "$0" TR
