@@ -27,10 +27,12 @@ def _inputs(name, **kw):
 
 @pytest.mark.parametrize("name,D", [("causal", 64), ("alibi", 64), ("document_mask", 64), ("sliding_window", 64),
                                     ("diff_attention", 64), ("diff_transformer", 64), ("evoformer", 64), ("causal", 80),
-                                    ("gated", 96)])
+                                    ("gated", 96), ("rope", 128)])
 def test_bf16_forward_and_gradients_match_float64(name, D):
     """Seven variants at D = 64 (DiffAttn both ways: its gradients stored into interleaved heads
-    in the second), and two head dims whose QK^T and P @ V run in power-of-two pieces."""
+    in the second), two head dims whose QK^T and P @ V run in power-of-two pieces, and RoPE at
+    D = 128 (in training its rotated Q and K load as leaves: the Gluon forward and tile kernels,
+    the cos and sin tables' gradients through Inductor)."""
     check_bf16(name, D)
 
 
