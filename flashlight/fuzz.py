@@ -9,7 +9,8 @@ the softmax spelling, a second softmax map over the same V combined with the fir
 difference with a learned λ, or a mean), an epilogue (a head-merging reshape, an RMSNorm, a
 sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss); or the map
 spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``; q, k and v
-as slices of one packed projection. The program is plain PyTorch, built from closures.
+as slices of one packed projection; positions on q and k (rotary embeddings, or learned tables
+added to them). The program is plain PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -91,6 +92,11 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         ex = dict(zip(names, xs))
         if stop in ("k", "v"):              # a stopped gradient: no gradient reaches it
             k, v = (k.detach(), v) if stop == "k" else (k, v.detach())
+        if position == "rope":              # rotary embeddings on q and k (at the K/V heads: Llama's order)
+            q, k = (x * ex["cos"][:n] + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * ex["sin"][:n]
+                    for x, n in ((q, M), (k, N)))
+        elif position == "table":           # learned absolute positions added to q and k
+            q, k = q + ex["pos_q"], k + ex["pos_k"]
         if gqa == "expand":
             k = k[:, :, None].expand(B, Hkv, H, N, D).reshape(B, H, N, D)
             v = v[:, :, None].expand(B, Hkv, H, N, Dv).reshape(B, H, N, Dv)
@@ -205,11 +211,19 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # the two maps mixed before their product with v; nan_to_num of the scores (drawn last, likewise)
     combined = second != "none" and not sdpa and rng.random() < 0.5
     nan_scores = rng.random() < 0.1
+    # positions on q and k (drawn last, likewise): the operands are computed from several tiles
+    position = rng.choice(["none"] * 6 + ["rope", "table"])
+    if position == "rope":
+        angles = torch.arange(max(M, N))[:, None] * 10000.0 ** -(torch.arange(0, D, 2) / D)
+        extra["cos"], extra["sin"] = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    elif position == "table":
+        extra["pos_q"], extra["pos_k"] = 0.5 * rand(M, D), 0.5 * rand(N, D)
+    names += [n for n in ("cos", "sin", "pos_q", "pos_k") if n in extra]
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
-            f"combined={combined} nan_scores={nan_scores}")
+            f"combined={combined} nan_scores={nan_scores} position={position}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program
