@@ -124,9 +124,10 @@ def test_gpu_tuning_path_uses_and_fills_the_disk_cache(tmp_path, monkeypatch):
 
 def test_backward_defaults_follow_the_mask_and_the_score_tiles():
     """The backward kernels' default configs (``tune.backward_heuristic``) see what the region
-    is: a mask whose live blocks depend on loaded values (the document mask: its forward keeps
-    block statistics) gets the dQ config measured for it, an index-only mask (causal) does not;
-    two score tiles at D=128 (DiffAttn) get their own dK/dV config."""
+    is: a mask that reads loaded values at the query position (document ids: short runs of live
+    key blocks) gets the dQ config measured for it; an index-only mask (causal) and a key
+    padding mask (loaded, but at the key position only) do not; two score tiles at D=128
+    (DiffAttn) get their own dK/dV config."""
     from flashlight.examples import VARIANTS
     from flashlight.runtime import op
     from flashlight.tune import Config
@@ -140,6 +141,7 @@ def test_backward_defaults_follow_the_mask_and_the_score_tiles():
     assert doc[1] == Config(64, 32, 4, 4) != causal_[1]
     assert diff[0] == Config(16, 64, 4, 4) != causal_[0] == doc[0]
     assert defaults("document_mask", 64)[1] == Config(64, 32, 4, 4) != defaults("causal", 64)[1]
+    assert defaults("sdpa_document", 128)[1] == doc[1] != defaults("key_padding", 128)[1]
 
 
 def test_max_autotune_mode_reaches_the_compiled_region():

@@ -27,7 +27,7 @@ from triton.runtime.errors import OutOfResources
 from .._compat import fast_launch, with_scratch
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
-from ..ir import Region
+from ..ir import Region, free_vars, walk
 from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, useful
@@ -61,6 +61,7 @@ class CompiledRegion:
     skipped: float | None = None     # fraction of (M, N) blocks skipped on the last measured call
     max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
     sparse: bool = False             # the mask may skip key blocks (picks the default config)
+    loaded_rows: bool = False        # the mask reads a loaded value at the query position (document ids)
     bwd_kernel: BackwardKernels | None = None    # generated backward, or None: the reference VJP (bwd_reason says why)
     bwd_compiled: bool = False       # compile_backward ran (first differentiable forward or backward, or explain())
     bwd_name: str = ""
@@ -295,7 +296,7 @@ class CompiledRegion:
         r = self.region
         block_d = max(head_block(r.DK), head_block(r.DV))
         return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-            backward_heuristic(block_d, kernel, self.sparse, len(r.dots), loaded_mask=self.sparse and bool(self.stats))
+            backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows)
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
@@ -577,11 +578,18 @@ def compile_region(region: Region) -> CompiledRegion:
     if key not in REGISTRY:
         module, path = load_module(name, source)
         kernel = fast_launch(getattr(module, name), interpreting())
-        c = CompiledRegion(region, source, name, path, kernel, stats, key=key,
-                           sparse=useful(dead_predicate(region, region.passes()[0])), tma=tma,
-                           fused_dq=atomic_dq)
+        dead = dead_predicate(region, region.passes()[0])
+        c = CompiledRegion(region, source, name, path, kernel, stats, key=key, sparse=useful(dead),
+                           loaded_rows=useful(dead) and reads_loaded_rows(dead), tma=tma, fused_dq=atomic_dq)
         REGISTRY[key] = c
     return REGISTRY[key]
+
+
+def reads_loaded_rows(dead) -> bool:
+    """Does the dead predicate read a loaded tensor at the query position? Document ids do
+    (``ids[m] != ids[n]``): each query block's live key blocks are then a short run, while a key
+    padding mask (``valid[n]``) or an index mask (causal) reads none."""
+    return any(x.op == "load" and any("m" in free_vars(i) for i in x.args[1]) for x in walk(dead))
 
 
 def compile_gluon(c: CompiledRegion):

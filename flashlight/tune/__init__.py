@@ -127,7 +127,7 @@ def backward_candidates(block_d: int, kernel: str) -> list[Config]:
 
 
 def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: int = 1,
-                       loaded_mask: bool = False) -> Config:
+                       loaded_rows: bool = False) -> Config:
     """A backward kernel's default, from sweeps on the H200 (docs/notes.md, sessions 4, 7, 8;
     B=4 H=16 N=4096, ``benchmarks.backward_configs``) and an H100 (session 23).
     dK/dV at D <= 64 with one score tile: 64 x 64 w4 s3 (causal 0.671 ms against 0.771 at
@@ -138,16 +138,17 @@ def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: 
     and dV tiles per warpgroup; offline sm_90 compiles spill 84 bytes at 32 x 64, 616 at
     64 x 64), and for DiffAttn's two score tiles at D = 64 too (1.25 ms against 1.33 at 64 x 64,
     B=2). 8 warps over 64 keys, or 32 x 32 tiles, run 2-3x slower.
-    dQ where the mask's live blocks depend on loaded values (``loaded_mask``: the document
-    mask's short runs of live blocks): 64 x 32 w4 s4 (H200 at D=64: 0.134 ms against 0.163 at
-    64 x 64; H100 at D=128: 0.239 against 0.283 at 128 x 64). Otherwise at D <= 64 the forward's
-    64 x 64 for several score tiles or a mask that skips blocks (short live ranges waste wide
-    query blocks), and elsewhere the first candidate."""
+    dQ where the mask reads loaded values at the query position (``loaded_rows``: document ids,
+    whose live key blocks per query block are a short run): 64 x 32 w4 s4 (document mask, H200
+    at D=64: 0.134 ms against 0.163 at 64 x 64; H100 at D=128: 0.239 against 0.283 at
+    128 x 64). Key padding (live up to a length) is not measured and keeps the rules below.
+    Otherwise at D <= 64 the forward's 64 x 64 for several score tiles or a mask that skips
+    blocks (short live ranges waste wide query blocks), and elsewhere the first candidate."""
     if kernel == "dkdv" and block_d <= 128:
         if block_d > 64 and n_dots > 1:
             return Config(16, 64, 4, 4)
         return Config(64, 64, 4, 3) if block_d <= 64 and n_dots == 1 else Config(32, 64, 4, 3)
-    if kernel == "dq" and loaded_mask and block_d <= 128:
+    if kernel == "dq" and loaded_rows and block_d <= 128:
         return Config(64, 32, 4, 4)
     if kernel == "dq" and (sparse or n_dots > 1) and block_d <= 64:
         return Config(64, 64, 4, 3)
