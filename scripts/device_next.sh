@@ -1,3 +1,10 @@
+# Session 24's plan (session 23 ran nine calls, all on H100s; docs/notes.md "Session 23"): the H200
+#   has not come since session 19, and issues #5 and #6 ask for their tables on it. Ask for it
+#   (kind="nvidia-h200"); whatever comes, run F (the flex suite, ~160 s on an H100), then TR with
+#   LIMIT=250 (the training table), then the GPU tests in full (TRITON_INTERPRET=0 exported: the
+#   script does it; a bare pytest call skipped everything in session 23). If GQA's dK/dV group loop
+#   is built (the lead in "Session 23"), A/B it with benchmarks.kernels --variants gqa,vanilla
+#   --d 128 --step against the atomics.
 # Session 23's plan (session 22 ran V1 on an H100; V2 was taken back mid-run; docs/notes.md "Session 22"):
 #   on an H200, R1 (the GPU tests in full: session 22's GT stopped at 220 s inside the Gluon forward's
 #   gated case), then V2 (~9 min: the A/Bs against 85e2075, DiffAttn's two spellings, flex D=128), then
