@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from .examples.rope import rotate_half
+
 
 @dataclass
 class Program:
@@ -93,8 +95,7 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         if stop in ("k", "v"):              # a stopped gradient: no gradient reaches it
             k, v = (k.detach(), v) if stop == "k" else (k, v.detach())
         if position == "rope":              # rotary embeddings on q and k (at the K/V heads: Llama's order)
-            q, k = (x * ex["cos"][:n] + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * ex["sin"][:n]
-                    for x, n in ((q, M), (k, N)))
+            q, k = (x * ex["cos"][:n] + rotate_half(x) * ex["sin"][:n] for x, n in ((q, M), (k, N)))
         elif position == "table":           # learned absolute positions added to q and k
             q, k = q + ex["pos_q"], k + ex["pos_k"]
         if gqa == "expand":
@@ -215,7 +216,8 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     position = rng.choice(["none"] * 6 + ["rope", "table"])
     if position == "rope":
         angles = torch.arange(max(M, N))[:, None] * 10000.0 ** -(torch.arange(0, D, 2) / D)
-        extra["cos"], extra["sin"] = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        angles = torch.cat([angles, angles], -1)
+        extra["cos"], extra["sin"] = angles.cos(), angles.sin()
     elif position == "table":
         extra["pos_q"], extra["pos_k"] = 0.5 * rand(M, D), 0.5 * rand(N, D)
     names += [n for n in ("cos", "sin", "pos_q", "pos_k") if n in extra]

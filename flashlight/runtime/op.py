@@ -27,10 +27,10 @@ from triton.runtime.errors import OutOfResources
 from .._compat import fast_launch, with_scratch
 from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
-from ..ir import Region, free_vars, walk
+from ..ir import Region
 from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import from_output, rowstat_columns
-from ..sparsity import STAT_BLOCK, dead_predicate, useful
+from ..sparsity import STAT_BLOCK, dead_predicate, reads_loaded_rows, useful
 from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, smaller)
 from . import background, decode, descriptors, gluon
@@ -579,17 +579,11 @@ def compile_region(region: Region) -> CompiledRegion:
         module, path = load_module(name, source)
         kernel = fast_launch(getattr(module, name), interpreting())
         dead = dead_predicate(region, region.passes()[0])
-        c = CompiledRegion(region, source, name, path, kernel, stats, key=key, sparse=useful(dead),
-                           loaded_rows=useful(dead) and reads_loaded_rows(dead), tma=tma, fused_dq=atomic_dq)
+        sparse = useful(dead)
+        c = CompiledRegion(region, source, name, path, kernel, stats, key=key, sparse=sparse,
+                           loaded_rows=sparse and reads_loaded_rows(dead), tma=tma, fused_dq=atomic_dq)
         REGISTRY[key] = c
     return REGISTRY[key]
-
-
-def reads_loaded_rows(dead) -> bool:
-    """Does the dead predicate read a loaded tensor at the query position? Document ids do
-    (``ids[m] != ids[n]``): each query block's live key blocks are then a short run, while a key
-    padding mask (``valid[n]``) or an index mask (causal) reads none."""
-    return any(x.op == "load" and any("m" in free_vars(i) for i in x.args[1]) for x in walk(dead))
 
 
 def compile_gluon(c: CompiledRegion):

@@ -123,6 +123,13 @@ def useful(dead: Expr) -> bool:
     return not (dead.op == "const") and "n" in free_vars(dead) and not refs(dead, "dot")
 
 
+def reads_loaded_rows(dead: Expr) -> bool:
+    """Does the dead predicate read a loaded tensor at the query position? Document ids do
+    (``ids[m] != ids[n]``): each query block's live key blocks are then a short run, while a key
+    padding mask (``valid[n]``) or an index mask (causal) reads none."""
+    return any(x.op == "load" and any("m" in free_vars(i) for i in x.args[1]) for x in walk(dead))
+
+
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BlockStat:
