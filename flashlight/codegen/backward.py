@@ -37,8 +37,8 @@ from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_bod
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, extra_seeds, grad_plan, in_bounds, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
-                     batch_index, block_loops, dk_chunks, dv_state, full_tile, key_block, operand_dtype, out_offsets,
-                     piece_ctx, piece_suffix, segment_bounds, short_expr)
+                     batch_index, block_loops, dk_chunks, dv_state, full_tile, group_member, key_block, operand_dtype,
+                     out_offsets, piece_ctx, piece_suffix, segment_bounds, short_expr)
 
 
 def _same(ds: list[int]) -> int | None:
@@ -632,9 +632,23 @@ class DKDVWriter(TileWriter):
                                            "BLOCK_N: tl.constexpr", "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr",
                                            *self.tma_arg()]
 
+    def group_loop(self) -> list[str]:
+        """The query loop of each query head the program visits (``GradPlan.group``: GQA's group
+        sharing this key block's K and V rows), one after the other into the same dK and dV.
+        Each head's lines (its batch index, scan, loads, descriptors) are a root block of their
+        own: nothing it computes is hoisted out of the head's iteration or read after the loop,
+        where the writes address the group's K and V head from its first member."""
+        nb, group = len(self.r.batch), self.plan.group
+        outer, self.outer = self.outer, Block()
+        self.outer.lines += group_member(nb, group, "gi")
+        self.outer.lines += self.query_loop()
+        body, self.outer = self.outer, outer
+        return [f"for gi in range({group.size}):  # the query heads sharing this K/V head",
+                *("    " + line for line in body.lines), *group_member(nb, group, "0")]
+
     def write(self) -> str:
         self.outer.lines += [
-            "pid_n = tl.program_id(0)", *batch_index(len(self.r.batch)),
+            "pid_n = tl.program_id(0)", *batch_index(len(self.r.batch), self.plan.group),
             "start_n = pid_n * BLOCK_N",
             "offs_n = start_n + tl.arange(0, BLOCK_N)",
             "offs_dk = tl.arange(0, BLOCK_DK)",
@@ -648,7 +662,7 @@ class DKDVWriter(TileWriter):
             "blk_valid = n_lo < N",
         ]
         self.accumulators()
-        self.outer.lines += self.query_loop()
+        self.outer.lines += self.group_loop() if self.plan.group else self.query_loop()
         self.outer.lines.append("# gradients of the K and V operands, accumulated over all query blocks")
         self.write_grads("dk", CTX_KN)
         self.write_grads("dv", CTX_V)
@@ -697,7 +711,7 @@ class KernelStats(NamedTuple):
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
-                      sparse: bool = True, fused_dq: bool = False) -> tuple[str, KernelStats]:
+                      sparse: bool = True, fused_dq: bool = False, group: str = "auto") -> tuple[str, KernelStats]:
     """Triton source of the backward kernels — ``name_rows`` (row gradients, launched first),
     ``name`` (dK, dV and the body loads' gradients) and ``name_dq`` (none with ``fused_dq``: the
     dK/dV kernel adds dQ, ``GradPlan.fused_dq``) — and the per-block statistics of the tile
@@ -705,7 +719,7 @@ def generate_backward(region: Region, name: str, allow_tf32: bool = False, inter
     reason = backward_support(region)
     if reason:
         raise CodegenError(reason)
-    plan = grad_plan(region, fused_dq)
+    plan = grad_plan(region, fused_dq, group)
     kv = DKDVWriter(region, plan, name, allow_tf32, interpret, sparse)
     source = kv.write()
     dq = None if fused_dq else DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)

@@ -8,17 +8,27 @@ each written once per program, at addresses that program alone owns, and whose s
 (``owned``) do not overlap and together cover the tensor, is *stored*: ``tl.store`` in the input's
 dtype into ``empty_like(x)``, no zero fill, no fp32 copy. That is one site over the whole tensor,
 or slices of one (a packed qkv's q, k and v; DiffAttn's two half-width heads). Every other
-gradient is accumulated with ``tl.atomic_add`` into fp32 zeros (GQA's shared K/V heads,
-broadcast biases, gathered tables, an input read twice at the same address).
+gradient is accumulated with ``tl.atomic_add`` into fp32 zeros (broadcast biases, gathered
+tables, an input read twice at the same address).
+
+GQA's query heads share their K and V head: a dK/dV program per (key block, query head) would
+add its dK and dV into the shared head with atomics. The plan's *group loop* (``Group``) makes a
+program visit the group's query heads instead, one after the other, dK and dV staying in
+registers (FA2's and Flex's GQA backward): the program then owns its K/V head's rows and stores
+them. Fewer programs, though: where the whole group leaves too few (``MIN_PROGRAMS``), a program
+visits part of the group and adds it with atomics, or the whole group is left to atomics.
 """
 from __future__ import annotations
 
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from ..ir import Expr, Region, dot, free_vars, red, refs
+from ..ir import Expr, Region, dot, free_vars, red, refs, substitute, walk
 from ..ir.derivative import tile, vjp
+from ..ir.expr import is_const, var
+from ..sparsity import dead_predicate, full_predicate
 from .emit import Block, Ctx, Emitter
 from .kernel import TILE
 
@@ -33,6 +43,21 @@ class Site:
     ctx: str            # the tile context of the scatter (see codegen.kernel.TILE)
     kernel: str         # "rows", "dkdv" or "dq"
     once: bool          # written once per program (after the loop), not per tile
+
+
+class Group(NamedTuple):
+    """The dK/dV kernel's group loop: a program visits ``size`` consecutive indices of batch dim
+    ``dim`` (query heads whose K and V operands are the same), summing their dK and dV."""
+    dim: int
+    size: int
+
+
+# the group loop's modes (FLASHLIGHT_GROUP_LOOP): "auto" keeps at least MIN_PROGRAMS dK/dV
+# programs of NOMINAL_KEYS keys each (two waves of an H100's or H200's 132 SMs), "1" visits
+# the whole group wherever that is correct, "0" never loops (atomics)
+GROUP_MODES = ("auto", "1", "0")
+MIN_PROGRAMS = 256
+NOMINAL_KEYS = 128
 
 
 @dataclass
@@ -55,6 +80,11 @@ class GradPlan:
     sites: list[Site] = field(default_factory=list)
     stored: frozenset[int] = frozenset()
     fused_dq: bool = False      # dQ added by the dK/dV kernel per tile (fp32 atomics): no dQ kernel
+    group: Group | None = None
+
+    def programs(self, batch: tuple[int, ...]) -> int:
+        """The dK/dV kernel's programs per key block (its grid's axis 1)."""
+        return math.prod(batch) // (self.group.size if self.group else 1)
 
     def written(self, kernel: str | None = None) -> list[int]:
         """Inputs whose gradient ``kernel`` (any kernel: None) writes: its ``g`` arguments."""
@@ -80,8 +110,50 @@ def _distinct(exprs) -> list[Expr]:
     return list(dict.fromkeys(exprs))
 
 
-def grad_plan(region: Region, fused_dq: bool = False) -> GradPlan:
-    """The plan of a region ``backward_support`` accepts (``fused_dq``: see ``GradPlan``)."""
+def _divisions(e: Expr, name: str) -> set[int]:
+    """The constants c of every ``b // c`` of the var ``name`` in ``e``."""
+    return {x.args[1].args[0] for x in walk(e) if x.op in ("idiv", "floordiv") and x.args[0] == var(name)
+            and is_const(x.args[1]) and x.args[1].kind == "i" and x.args[1].args[0] > 1}
+
+
+def _quotient(name: str, size: int, new: str):
+    """A ``substitute`` rule: ``name // size`` -> the var ``new``."""
+    def fn(x: Expr) -> Expr | None:
+        if x.op in ("idiv", "floordiv") and x.args[0] == var(name) and is_const(x.args[1], size):
+            return var(new)
+        return None
+    return fn
+
+
+def group_loop(region: Region, accs: dict[str, list[Expr]], mode: str = "auto") -> Group | None:
+    """The dK/dV kernel's group loop (``Group``; module doc), where one is correct and ``mode``
+    takes it: the K and V operands read some batch var b only as ``b // G`` (G consecutive
+    indices share them: GQA's heads), or not at all (G is b's extent: MQA's one K/V head, or
+    K and V broadcast over the batch), G divides b's extent, and the scan of live query blocks
+    does not read b (every head the loop visits has the key block's blocks). The loop visits the
+    largest divisor of G that leaves MIN_PROGRAMS programs ("auto"), or all of G ("1")."""
+    operands = accs["dk"] + accs["dv"]
+    if mode == "0" or not operands:
+        return None
+    scan = free_vars(dead_predicate(region, region.passes()[0])) | free_vars(
+        full_predicate([rd.body for rd in region.reductions if rd.kind != "max"]))
+    blocks = -(-region.N // NOMINAL_KEYS)
+    for d, name in enumerate(region.batch_vars):
+        read = any(name in free_vars(e) for e in operands)     # unread: every index shares them (MQA)
+        sizes = set().union(*(_divisions(e, name) for e in operands)) if read else {region.batch[d]} - {1}
+        for g in sorted(sizes, reverse=True):
+            if region.batch[d] % g or name in scan or any(
+                    name in free_vars(substitute(e, _quotient(name, g, "grp"))) for e in operands):
+                continue
+            loops = [s for s in range(g, 1, -1) if g % s == 0
+                     and (mode == "1" or blocks * math.prod(region.batch) // s >= MIN_PROGRAMS)]
+            return Group(d, loops[0]) if loops else None
+    return None
+
+
+def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> GradPlan:
+    """The plan of a region ``backward_support`` accepts (``fused_dq``: see ``GradPlan``;
+    ``group``: ``group_loop``'s mode)."""
     row_adj = vjp({region.out: tile("do")})
     members = [j for j, rd in enumerate(region.reductions) if rd.kind != "max" and red(j) in row_adj]
     bodies = {region.reductions[j].body: tile("db") for j in members}
@@ -91,7 +163,7 @@ def grad_plan(region: Region, fused_dq: bool = False) -> GradPlan:
     accs = {"dq": _distinct(region.dots[i].q for i in grad_dots),
             "dk": _distinct(region.dots[i].k for i in grad_dots),
             "dv": _distinct(region.reductions[j].v for j in members if region.reductions[j].kind == "dot")}
-    plan = GradPlan(members, dots, accs, fused_dq=fused_dq)
+    plan = GradPlan(members, dots, accs, fused_dq=fused_dq, group=group_loop(region, accs, group))
     plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
     plan.sites += [Site(x.args[0], x, "row", "rows", True) for x in loads(vjp(extra_seeds(region, members)))]
     plan.sites += [Site(x.args[0], x, "s", "dkdv", False) for x in loads(body_adj)]
@@ -103,7 +175,8 @@ def grad_plan(region: Region, fused_dq: bool = False) -> GradPlan:
     for s in plan.sites:
         by_input.setdefault(s.input, []).append(s)
     plan.stored = frozenset(i for i, ss in by_input.items() if all(s.once for s in ss)
-                            and partition([owned(s.load, s.ctx, region) for s in ss], region.inputs[i].shape))
+                            and partition([owned(s.load, s.ctx, region, plan.group if s.kernel == "dkdv" else None)
+                                           for s in ss], region.inputs[i].shape))
     return plan
 
 
@@ -156,18 +229,26 @@ def _indices(terms: list[tuple[int, int]], start: int) -> range | frozenset | No
     return frozenset(values)
 
 
-def owned(x: Expr, ctx: str, region: Region) -> Box | None:
+def owned(x: Expr, ctx: str, region: Region, group: Group | None = None) -> Box | None:
     """The indices of load ``x``'s tensor that the kernel's programs write, each program its own
     part of them, or None where programs may share an address. Each dim's index is a constant
     plus vars, each value reached once (``_indices``: a slice, a dim read at one place, a packed
     qkv's ``h·D + dk + 2·H·D``, the DIFF Transformer's heads ``2h·d + dk`` and ``(2h + 1)·d +
     dk``), no var in two dims, inside the dim; the vars include every batch var and the
-    program's tile axis (no GQA sharing, no broadcast over a grid axis, no gather)."""
+    program's tile axis (no GQA sharing, no broadcast over a grid axis, no gather). Under a
+    group loop a program visits ``group.size`` indices b of one batch dim: its grid var is
+    b // size, and an address reached as b // size is that program's."""
     extent = {"m": region.M, "n": region.N, "dk": region.DK, "dv": region.DV,
               **dict(zip(region.batch_vars, region.batch))}
+    grid = [*region.batch_vars, PROGRAM_AXIS[ctx]]
+    index = x.args[1]
+    if group is not None:
+        name = region.batch_vars[group.dim]
+        extent["grp"], grid[group.dim] = region.batch[group.dim] // group.size, "grp"
+        index = [substitute(ie, _quotient(name, group.size, "grp")) for ie in index]
     seen: set[str] = set()
     box = []
-    for ie, size in zip(x.args[1], region.inputs[x.args[0]].shape):
+    for ie, size in zip(index, region.inputs[x.args[0]].shape):
         lin = _linear(ie)
         if lin is None or any(v not in extent or v in seen for v in lin[0]):
             return None
@@ -176,8 +257,7 @@ def owned(x: Expr, ctx: str, region: Region) -> Box | None:
             return None
         seen.update(lin[0])
         box.append(idx)
-    grid = {v for v in (*region.batch_vars, PROGRAM_AXIS[ctx]) if extent[v] > 1}
-    return tuple(box) if grid <= seen else None
+    return tuple(box) if {v for v in grid if extent[v] > 1} <= seen else None
 
 
 def _disjoint(a: range | frozenset, b: range | frozenset) -> bool:

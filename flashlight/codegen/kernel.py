@@ -540,15 +540,28 @@ def key_block(loop: Block, full: bool) -> None:
                       "mask_n = tl.full([BLOCK_N], 1, tl.int1) if EVEN_N else offs_n < N")
 
 
-def batch_index(nb: int) -> list[str]:
-    """The batch indices b0.. of this program from grid axis 1 (row-major, b0 slowest)."""
-    lines, rest = ["pid_b = tl.program_id(1).to(tl.int64)"], "pid_b"
+def batch_index(nb: int, group=None) -> list[str]:
+    """The batch indices b0.. of this program from grid axis 1 (row-major, b0 slowest). Under a
+    group loop (``gradients.Group``: dim d, size L) axis 1 counts B_d // L along d: the program's
+    ``grp``, whose L indices of b_d the loop visits (``group_member``)."""
+    pid = "pid_g" if group else "pid_b"
+    lines, rest = [f"{pid} = tl.program_id(1).to(tl.int64)"], pid
     for d in reversed(range(nb)):
-        lines.append(f"b{d} = {rest} % B{d}")
+        size, name = (f"(B{d} // {group.size})", "grp") if group and d == group.dim else (f"B{d}", f"b{d}")
+        lines.append(f"{name} = {rest} % {size}")
         if d:
-            lines.append(f"rest{d} = {rest} // B{d}")
+            lines.append(f"rest{d} = {rest} // {size}")
             rest = f"rest{d}"
     return lines
+
+
+def group_member(nb: int, group, i: str) -> list[str]:
+    """The batch index b_d of the group loop's member ``i`` (an int: 0 is the group's first) and
+    its flat batch index ``pid_b`` (the row statistics' and row gradients' batch row)."""
+    flat = "b0"
+    for d in range(1, nb):
+        flat = f"({flat}) * B{d} + b{d}"
+    return [f"b{group.dim} = grp * {group.size} + {i}", f"pid_b = {flat}"]
 
 
 def short_expr(e: Expr, limit: int = 100) -> str:

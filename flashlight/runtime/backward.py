@@ -18,7 +18,7 @@ from ..codegen.backward import KernelStats
 from ..codegen.emit import CodegenError
 from ..codegen.gluon import gluon_pays
 from ..codegen.gluon_backward import generate_gluon_tile, tiles_support
-from ..codegen.gradients import GradPlan
+from ..codegen.gradients import GROUP_MODES, GradPlan
 from ..ir import Region
 from ..tune import Config, cdiv, head_block, pow2
 from . import background, descriptors, gluon
@@ -32,6 +32,16 @@ def fused_dq() -> bool:
     the H200 its dK/dV kernel alone took 2.1-3.6x the two-kernel dK/dV and dQ (design.md,
     "Fused dQ, again")."""
     return os.environ.get("FLASHLIGHT_ATOMIC_DQ", "0") == "1"
+
+
+def group_loop() -> str:
+    """``FLASHLIGHT_GROUP_LOOP`` (``gradients.GROUP_MODES``): backward kernels generated from now
+    on loop over GQA's query heads in one dK/dV program (``auto``, the default: where that leaves
+    enough programs; ``1``: wherever correct) or add each head's dK and dV with atomics (``0``)."""
+    mode = os.environ.get("FLASHLIGHT_GROUP_LOOP", "auto")
+    if mode not in GROUP_MODES:
+        raise ValueError(f"FLASHLIGHT_GROUP_LOOP={mode!r}: one of {', '.join(GROUP_MODES)}")
+    return mode
 
 
 @dataclass
@@ -146,7 +156,7 @@ class BackwardKernels:
             return (cdiv(r.M, cfg.BLOCK_M), batch), dict(DV=r.DV, BLOCK_M=cfg.BLOCK_M, BLOCK_DV=head_block(r.DV),
                                                           num_warps=cfg.num_warps)
         if kernel == "dkdv":        # over key blocks
-            return (cdiv(r.N, cfg.BLOCK_N), batch), dict(
+            return (cdiv(r.N, cfg.BLOCK_N), self.plan.programs(r.batch)), dict(
                 DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)), BLOCK_DK=head_block(r.DK),
                 BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(), **({} if tma is None else {"TMA": tma}))
         return (cdiv(r.M, cfg.BLOCK_M), batch), op.launch_meta(r, cfg, tma=tma)     # dQ: the forward's constexprs

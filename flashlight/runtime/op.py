@@ -34,7 +34,7 @@ from ..sparsity import STAT_BLOCK, dead_predicate, reads_loaded_rows, useful
 from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, smaller)
 from . import background, decode, descriptors, gluon
-from .backward import BackwardKernels, fused_dq
+from .backward import BackwardKernels, fused_dq, group_loop
 from .buffers import unwritten
 from .cache import load_module, source_hash
 from .quick import OWN_COMPILED, QuickStart, compile_own_for, compile_quick, quick_wanted  # noqa: F401
@@ -75,6 +75,7 @@ class CompiledRegion:
     bwd_prefetch: dict | None = None  # kernel -> its background compile (None: not started)
     tma: dict = field(default_factory=dict)         # input -> dims its descriptor loads stride over
     fused_dq: bool = False           # its backward adds dQ in the dK/dV kernel (FLASHLIGHT_ATOMIC_DQ, read once)
+    group_loop: str = "auto"         # its dK/dV kernel's group loop (FLASHLIGHT_GROUP_LOOP, read once)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -572,16 +573,18 @@ def compile_region(region: Region) -> CompiledRegion:
     name = f"fl_fwd_{source_hash(source)}"
     source = source.replace(f"def {placeholder}(", f"def {name}(")
     # one kernel per source (shared by all lengths); one registry entry per region and sizes, and
-    # per backward option (an A/B of FLASHLIGHT_ATOMIC_DQ in one process compiles both backwards)
-    atomic_dq = fused_dq()
-    key = f"{name}_{source_hash(str(region))}" + ("_atomic_dq" if atomic_dq else "")
+    # per backward option (an A/B of FLASHLIGHT_ATOMIC_DQ or _GROUP_LOOP in one process compiles both backwards)
+    atomic_dq, group = fused_dq(), group_loop()
+    key = f"{name}_{source_hash(str(region))}" + ("_atomic_dq" if atomic_dq else "") + \
+        ("" if group == "auto" else f"_group{group}")
     if key not in REGISTRY:
         module, path = load_module(name, source)
         kernel = fast_launch(getattr(module, name), interpreting())
         dead = dead_predicate(region, region.passes()[0])
         sparse = useful(dead)
         c = CompiledRegion(region, source, name, path, kernel, stats, key=key, sparse=sparse,
-                           loaded_rows=sparse and reads_loaded_rows(dead), tma=tma, fused_dq=atomic_dq)
+                           loaded_rows=sparse and reads_loaded_rows(dead), tma=tma, fused_dq=atomic_dq,
+                           group_loop=group)
         REGISTRY[key] = c
     return REGISTRY[key]
 
@@ -621,7 +624,8 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_compiled = True
     try:
         source, stats = generate_backward(c.region, placeholder, interpret=interpreting(),
-                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=c.fused_dq)
+                                          allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=c.fused_dq,
+                                          group=c.group_loop)
     except CodegenError as e:
         c.bwd_reason = str(e)
         return

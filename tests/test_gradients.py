@@ -1,0 +1,140 @@
+"""The gradient plan (codegen/gradients.py): where the backward kernels write each gradient. Here
+the dK/dV kernel's group loop (``gradients.Group``): a program visits the query heads that share
+its K and V rows (GQA, MQA) and stores their summed dK and dV, where it is correct; gradients
+match float64 with it, with part of a group per program (atomics), and without it."""
+import pytest
+import torch
+
+from flashlight.codegen import gradients
+from flashlight.codegen.gradients import Group
+from flashlight.runtime.op import REGISTRY
+from helpers import check_grads
+
+B, H, M, N, D = 2, 8, 37, 45, 16        # 16 batch indices, one key block of 128: 16 dK/dV programs
+
+
+def _keep(m, n):
+    qi, ki = torch.arange(m)[:, None], torch.arange(n)[None, :]
+    return (ki <= qi + n - m) & (qi % 7 != 3)        # causal, bottom-right; rows 3, 10, 17... see no key
+
+
+def _grouped(q, k, v, slopes):
+    """GQA by ``repeat_interleave`` (K/V head h // G), a learned ALiBi slope per query head, a
+    causal mask with fully masked rows."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    dist = (torch.arange(k.shape[2])[None, :] - torch.arange(q.shape[2])[:, None]).to(q.dtype)
+    s = q @ k.mT * D ** -0.5 + slopes[:, None, None] * dist
+    return torch.softmax(s.masked_fill(~_keep(q.shape[2], k.shape[2]), float("-inf")), -1) @ v
+
+
+def _grouped_oracle(q, k, v, slopes):
+    """``_grouped`` where a row with no key outputs 0 and passes no gradient (eager: NaN)."""
+    live = _keep(q.shape[2], k.shape[2]).any(-1, keepdim=True)
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    dist = (torch.arange(k.shape[2])[None, :] - torch.arange(q.shape[2])[:, None]).to(q.dtype)
+    s = (q @ k.mT * D ** -0.5 + slopes[:, None, None] * dist).masked_fill(~_keep(q.shape[2], k.shape[2]), float("-inf"))
+    return (torch.softmax(s.masked_fill(~live, 0.0), -1) * live) @ v
+
+
+def _mqa(q, k, v):
+    """One K/V head for all query heads (``expand``: the head var is not read)."""
+    k, v = (x.expand(-1, q.shape[1], -1, -1) for x in (k, v))
+    return torch.softmax(q @ k.mT * D ** -0.5, -1) @ v
+
+
+def _per_head_window(q, k, v, window):
+    """GQA with a window per query head: the live query blocks differ within a group."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    dist = torch.arange(q.shape[2])[:, None] - torch.arange(k.shape[2])[None, :]
+    keep = (dist >= 0) & (dist < window[:, None, None])
+    return torch.softmax((q @ k.mT * D ** -0.5).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def _per_head_key_scale(q, k, v, scale):
+    """GQA whose K operand is scaled per query head: the heads' K operands differ."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    return torch.softmax(q @ (k * scale[:, None, None]).mT * D ** -0.5, -1) @ v
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A registry of this test's regions alone (the loop's mode is part of the key); 16
+    programs per key block suffice for "auto" (``MIN_PROGRAMS``) with half a group of 4."""
+    monkeypatch.setattr(gradients, "MIN_PROGRAMS", 8)
+    REGISTRY.clear()
+    torch.compiler.reset()
+    yield monkeypatch
+    REGISTRY.clear()
+    torch.compiler.reset()
+
+
+def plan_and_source():
+    (c,) = [c for c in REGISTRY.values() if c.bwd_kernel is not None]
+    return c.bwd_kernel.plan, c.bwd_source.split("_dq(")[0]      # the dK/dV kernel's source
+
+
+@pytest.mark.parametrize("mode, size", [("1", 4), ("auto", 2), ("0", None)])
+def test_the_dkdv_kernel_visits_the_query_heads_sharing_its_keys(fresh, mode, size):
+    """GQA with a per-query-head ALiBi slope and fully masked rows, lengths that are not whole
+    blocks: the whole group per program stores dK and dV (no atomics, no zero fill); half a
+    group adds them with atomics; no loop adds every head's. The slopes' gradients (one per
+    query head) are per-tile atomics inside the loop. All match float64."""
+    fresh.setenv("FLASHLIGHT_GROUP_LOOP", mode)
+    torch.manual_seed(0)
+    inputs = (torch.randn(B, H, M, D), torch.randn(B, 2, N, D), torch.randn(B, 2, N, D), torch.rand(H) * 0.3)
+    check_grads(_grouped, inputs, ref_fn=_grouped_oracle)
+    plan, src = plan_and_source()
+    assert plan.group == (Group(1, size) if size else None)
+    kv = {s.input for s in plan.sites if s.ctx in ("k", "v")}
+    assert kv <= plan.stored if size == 4 else not kv & plan.stored
+    assert (f"for gi in range({size}):" in src) == (size is not None)
+    assert plan.programs((B, H)) == B * H // (size or 1)
+
+
+def test_one_key_head_for_all_query_heads_is_one_group(fresh):
+    """MQA (K and V expanded, the head var unread): the group is every head."""
+    fresh.setenv("FLASHLIGHT_GROUP_LOOP", "1")
+    check_grads(_mqa, (torch.randn(B, H, M, D), torch.randn(B, 1, N, D), torch.randn(B, 1, N, D)))
+    plan, src = plan_and_source()
+    assert plan.group == Group(1, H) and {1, 2} <= plan.stored and "atomic_add" not in src.split("_rows(")[0]
+
+
+@pytest.mark.parametrize("fn, extra", [(_per_head_window, torch.tensor([5, 9, 40, 3, 17, 8, 45, 2])),
+                                       (_per_head_key_scale, torch.rand(H) + 0.5)])
+def test_no_group_loop_where_the_heads_of_a_group_differ(fresh, fn, extra):
+    """A window per query head (each head's live query blocks differ) or a K operand scaled per
+    query head (the heads' K operands differ): no loop, atomics, still float64's gradients."""
+    fresh.setenv("FLASHLIGHT_GROUP_LOOP", "1")
+    torch.manual_seed(1)
+    check_grads(fn, (torch.randn(B, H, M, D), torch.randn(B, 2, N, D), torch.randn(B, 2, N, D), extra))
+    plan, src = plan_and_source()
+    assert plan.group is None and "for gi in range" not in src
+
+
+def gqa_region(batch: tuple[int, int], n: int, group: int = 4):
+    """softmax(q k^T / 2) v with K/V head b1 // group, built directly (no kernel runs)."""
+    from flashlight.ir import Dot, Input, Reduction, Region, call, const, dot, load, red, var
+    (b0, b1), m, nv, dk, dv = (var(x) for x in ("b0", "b1")), var("m"), var("n"), var("dk"), var("dv")
+    ins = [Input("q", (*batch, 64, 64), torch.float32),
+           *(Input(x, (batch[0], batch[1] // group, n, 64), torch.float32) for x in "kv")]
+    s = call("mul", dot(0), const(0.5))
+    reds = [Reduction("max", s), Reduction("sum", call("exp", call("sub", s, red(0)))),
+            Reduction("dot", call("exp", call("sub", s, red(0))), load(2, (b0, b1 // group, nv, dv), "f"))]
+    return Region(batch, 64, n, 64, 64, ins, [Dot(load(0, (b0, b1, m, dk), "f"), load(1, (b0, b1 // group, nv, dk), "f"))],
+                  reds, call("div_safe", red(2), red(1)), torch.float32)
+
+
+def test_auto_keeps_enough_programs():
+    """"auto" visits the largest part of the group that leaves ``MIN_PROGRAMS`` (256) dK/dV
+    programs: the whole group of 4 at B=4, H=16, N=4096 (512 programs); half of it at N=1024
+    (8 key blocks x 32); none at B=1, H=16, N=1024 (128 programs with no loop)."""
+    def loop(batch, n, mode="auto"):
+        r = gqa_region(batch, n)
+        return gradients.grad_plan(r, group=mode).group
+    assert loop((4, 16), 4096) == Group(1, 4)
+    assert loop((4, 16), 1024) == Group(1, 2)
+    assert loop((1, 16), 1024) is None
+    assert loop((1, 16), 1024, "1") == Group(1, 4)
+    assert loop((4, 16), 4096, "0") is None
+    assert {1, 2} <= gradients.grad_plan(gqa_region((4, 16), 4096)).stored
+    assert not {1, 2} & gradients.grad_plan(gqa_region((4, 16), 1024)).stored
