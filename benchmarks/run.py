@@ -193,8 +193,10 @@ def main(argv=None) -> int:
               tol=1e-3 if dtype == torch.float32 else 2e-2,
               backends=tuple(args.backends.split(",")) if args.backends else None,
               b_env=dict(kv.split("=", 1) for kv in args.b_env.split(",")) if args.b_env else {})
-    if env.b_env:       # right after flashlight in every case
+    if env.b_env:       # right after flashlight in every case (and kept by --backends)
         cases = [dataclasses.replace(c, backends=(c.backends[0], "flashlight_b", *c.backends[1:])) for c in cases]
+        if env.backends and "flashlight_b" not in env.backends:
+            env.backends += ("flashlight_b",)
     if args.cuda_graphs:    # both after the rest (their CUDA graph pools stay allocated for the case)
         graphed = [g for g in ("flashlight_cg", "flex_cg") if env.backends is None or g[:-3] in env.backends]
         cases = [dataclasses.replace(c, backends=(*c.backends, *(g for g in graphed if g[:-3] in c.backends)))

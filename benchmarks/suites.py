@@ -163,6 +163,7 @@ OTHER_BEYOND = [(n, n, ()) for n in ["gated", "hand_softmax", "relu_attention", 
                                       "relative_position", "rope"]] + [("rope_gqa_4", "rope", (("group", 4),))]
 TRAINING_VARIANTS = [("causal", "causal", ()), ("alibi", "alibi", ()), ("document_12", "document_mask", ()),
                      ("diff_attention", "diff_attention", ()), ("diff_transformer", "diff_transformer", ()),
+                     ("gqa_4", "gqa", (("group", 4),)),     # K/V heads shared: the dK/dV group loop
                      ("rope", "rope", ()),
                      ("rope_gqa_4", "rope", (("group", 4),))]     # Llama: RoPE, then K/V repeated
 DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_alibi")]

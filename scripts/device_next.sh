@@ -201,6 +201,26 @@ GT)  # the GPU tests that sessions 20-22's changes reach
     -k "bf16_forward_and_gradients or gluon_forward_matches or gluon_tile_kernels or fused_dq" 2>&1 | tee $OUT/test_gpu.txt \
     | grep -E "FAILED|ERROR|passed|failed|Error" | cut -c1-140
   ;;
+G1)  # session 24: the dK/dV group loop (GradPlan.group): its GPU tests and the GQA ones, then GQA and
+    # RoPE + GQA training with the loop (A) against atomics (B: FLASHLIGHT_GROUP_LOOP=0), Gluon tile
+    # kernels (default), then the Triton dK/dV kernel's A/B (FLASHLIGHT_GLUON_DKDV=0), then the kernel split
+  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "group_loop or gqa" \
+    > $OUT/test_gpu_group.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/test_gpu_group.txt | cut -c1-160
+  timeout -k 10 200 python3 -m benchmarks.run --suite training --only gqa_4,rope_gqa_4 \
+    --backends flashlight,flex,inductor --b-env FLASHLIGHT_GROUP_LOOP=0 --no-plots --time-limit 170 \
+    --out $OUT/group > $OUT/group.txt 2>&1
+  echo "group rc $?"; tail -6 $OUT/group.txt | cut -c1-170
+  FLASHLIGHT_GLUON_DKDV=0 timeout -k 10 100 python3 -m benchmarks.run --suite training --only gqa_4 \
+    --backends flashlight --b-env FLASHLIGHT_GROUP_LOOP=0 --no-plots --time-limit 80 \
+    --out $OUT/group_triton > $OUT/group_triton.txt 2>&1
+  echo "group_triton rc $?"; tail -3 $OUT/group_triton.txt | cut -c1-170
+  for g in auto 0; do
+    FLASHLIGHT_GROUP_LOOP=$g timeout -k 10 90 python3 -m benchmarks.kernels --variants gqa --d 128 --step \
+      > $OUT/kernels_gqa_group_$g.txt 2>&1
+    echo "kernels FLASHLIGHT_GROUP_LOOP=$g rc $?"; grep -iE "dkdv|dq|step|total" $OUT/kernels_gqa_group_$g.txt | head -12 | cut -c1-150
+  done
+  ;;
 TR)  # issue #5's training table, starting no case after $LIMIT seconds
   timeout -k 10 $((LIMIT + 20)) python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
     --no-plots --time-limit $LIMIT --out $OUT/training > $OUT/training.txt 2>&1

@@ -564,7 +564,7 @@ def tile_gradients(c, xs: list[torch.Tensor], out: torch.Tensor, stats: torch.Te
             if not rg.tiles_usable(kernel, r, xs, drows[1], [bufs[e.args[0]] for e in operands], [stats, drows[0]]):
                 raise NotUsable(f"the Gluon {kernel} kernel does not take these layouts or sizes")
             args = k.tile_args(kernel, xs, stats, drows, bufs, {})
-            rg.launch_tile(kernel, Kernel(compile_gluon_tile(k, kernel), edit), r, args, xs, drows[1])
+            rg.launch_tile(kernel, Kernel(compile_gluon_tile(k, kernel), edit), r, k.plan, args, xs, drows[1])
         else:
             getattr(k, f"launch_{kernel}")(xs, stats, drows, bufs, {}, c.config(xs, kernel))
     return k.results(xs, bufs)

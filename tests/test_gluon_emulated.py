@@ -68,6 +68,11 @@ def test_gluon_tile_kernels(traced, name, d, n, extra):
     Triton row kernel's row gradients) against the all-Triton backward's and float64's; the
     gradient buffers start NaN-filled (FLASHLIGHT_POISON), so an element never written fails."""
     c, xs, _ = traced(name, d, n, extra)
+    check_tile_kernels(c, xs)
+
+
+def check_tile_kernels(c, xs):
+    """``test_gluon_tile_kernels``' checks of region ``c`` on the op's inputs ``xs``."""
     assert tiles_support(c.region) == ""
     out, stats = c.run(xs)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
@@ -78,6 +83,35 @@ def test_gluon_tile_kernels(traced, name, d, n, extra):
     for i in floats:
         assert rel_error(got[i], triton[i].double()) < 1e-3, i
         assert rel_error(got[i], want[i]) < 2e-3, i
+
+
+def _causal_gqa(q, k, v):
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    return torch.softmax((q @ k.mT * 0.125).masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1),
+                                                        float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("fn,b,h,hkv,d,n", [(VARIANTS["gqa"].attention, 1, 4, 2, 64, 128),
+                                             (_causal_gqa, 2, 2, 1, 64, 256)], ids=["gqa-d64", "causal-mqa-d64"])
+def test_the_gluon_dkdv_kernel_visits_the_heads_sharing_its_keys(monkeypatch, fn, b, h, hkv, d, n):
+    """Under a group loop (``GradPlan.group``, forced: ``FLASHLIGHT_GROUP_LOOP=1``) the Gluon
+    dK/dV program runs the query loop of each head of the group, its loader streaming their Q
+    and dR rows one head after the other through one ring, and stores dK and dV once: against
+    the Triton kernels and float64, GQA (2 heads per K/V head) and causal MQA (2 heads, masked
+    and mask-free blocks, two batch indices)."""
+    from flashlight.codegen.gradients import Group
+    monkeypatch.setenv("FLASHLIGHT_GROUP_LOOP", "1")
+    torch.manual_seed(0)
+    inputs = (torch.randn(b, h, n, d, dtype=torch.float16),
+              *(torch.randn(b, hkv, n, d, dtype=torch.float16) for _ in range(2)))
+    try:
+        ((key, xs),) = emu.traced_regions(fn, *inputs).items()
+        c = rt.REGISTRY[key]
+        plan = c.backward_kernels().plan
+        assert plan.group == Group(1, h // hkv) and {1, 2} <= plan.stored
+        check_tile_kernels(c, xs)
+    finally:
+        rt.REGISTRY.clear()
 
 
 def reference_grads(c, xs, dout):

@@ -264,6 +264,42 @@ def test_gluon_tile_kernels_long_loops_and_fallbacks(name, D, M, N, monkeypatch)
         assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))
 
 
+def _causal_gqa(q, k, v):
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax((q @ k.mT * q.shape[-1] ** -0.5).masked_fill(mask, float("-inf")), -1) @ v
+
+
+@pytest.mark.parametrize("tiles", ["all", "0"])
+@pytest.mark.parametrize("fn,B,H,Hkv,D,N", [(VARIANTS["gqa"].attention, 2, 8, 2, 128, 512),
+                                            (_causal_gqa, 1, 8, 1, 64, 640)], ids=["gqa", "causal-mqa"])
+def test_the_dkdv_group_loop(fn, B, H, Hkv, D, N, tiles, monkeypatch):
+    """``FLASHLIGHT_GROUP_LOOP=1``: a dK/dV program visits the query heads sharing its K/V head
+    (GQA: 4; causal MQA: 8) and stores dK and dV once, in the Gluon tile kernel ("all") and the
+    Triton one ("0"); bf16 gradients against float64."""
+    from flashlight.codegen.gradients import Group
+    if tiles == "all" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("Gluon kernels are for sm_90")
+    monkeypatch.setenv("FLASHLIGHT_GROUP_LOOP", "1")
+    monkeypatch.setenv("FLASHLIGHT_GLUON_DKDV", tiles)
+    monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")
+    REGISTRY.clear()
+    torch.manual_seed(0)
+    q = torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, Hkv, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = torch.compile(fn, backend="flashlight", dynamic=False)(q, k, v)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    (c,) = REGISTRY.values()
+    assert c.bwd_kernel.plan.group == Group(1, H // Hkv)
+    assert c.bwd_kernel.gdkdv.launched == (tiles == "all")
+    ref_in = [to64(x).detach().requires_grad_() for x in (q, k, v)]
+    ref_grads = torch.autograd.grad(fn(*ref_in), ref_in, to64(dout))
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))
+    REGISTRY.clear()
+
+
 @pytest.mark.parametrize("name,D", [("causal", 128), ("document_mask", 64)])
 def test_quick_start_then_the_regions_own_kernel(name, D, monkeypatch):
     """A masked region's first call runs the dense kernel (runtime.op.QuickStart) while its own

@@ -32,16 +32,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..ir import Expr, Region, dot, refs, walk
+from ..ir import Expr, Region, dot, refs, substitute, walk
 from ..ir.derivative import vjp
+from ..ir.expr import var
 from ..ir.region import rowstat_columns
 from ..sparsity import TRUE, full_body, useful
 from .backward import DKDVWriter, DQWriter, backward_support, const_factor, dot_grads
 from .emit import Block, CodegenError, Ctx
 from .gluon import (DTYPES, SCAN_LAYOUTS, bulk_operand, check_layouts, descriptor_row, gluon_module, gluon_support,
                     key_bounds, scan_arange, wgmma_layout)
-from .gradients import grad_plan
-from .kernel import batch_index
+from .gradients import GradPlan, grad_plan
+from .kernel import batch_index, group_member
 
 WG = 64              # a compute warpgroup's own rows (dK/dV: keys; dQ: queries)
 RING = 64            # rows of the other operand per step (dK/dV: queries; dQ: keys)
@@ -71,17 +72,18 @@ class Acc(NamedTuple):
     kind: str           # "dk", "dv" or "dq" (``grad_plan``)
 
 
-def tiles_support(region: Region) -> str:
+def tiles_support(region: Region, plan: GradPlan | None = None) -> str:
     """Why ``region`` has no Gluon dK/dV or dQ kernel ('' when it has both): a region with a Gluon
     forward (``gluon_support``: one softmax, K and V read as rows), Q read as rows too, a
     generated backward, no load in the score program taking a gradient (those are scattered per
-    tile) and one P @ V product whose row gradient is one [M, DV] tile in K's 16-bit type."""
+    tile) and one P @ V product whose row gradient is one [M, DV] tile in K's 16-bit type.
+    ``plan``: the Triton kernels' (default: ``grad_plan``'s)."""
     why = gluon_support(region) or backward_support(region)
     if why:
         return why
     if not bulk_operand(region.dots[0].q, "m", "dk"):
         return "Q is not read as whole rows"
-    plan = grad_plan(region)
+    plan = plan or grad_plan(region)
     if any(s.kernel == "dkdv" and not s.once for s in plan.sites):
         return "loads in the score program take gradients (scattered per tile)"
     if 2 not in plan.members or plan.dots != [0] or not plan.accs["dk"]:
@@ -109,9 +111,13 @@ class GluonTiles:
     heads = {"q": "DK", "do": "DV", "k": "DK", "v": "DV"}
     own_rows, ring_rows = "", ""    # the constexprs of the two tiles' rows (BLOCK_M / BLOCK_N)
 
-    def __init__(self, region: Region, name: str):
-        super().__init__(region, grad_plan(region), name)
+    def __init__(self, region: Region, name: str, plan: GradPlan):
+        super().__init__(region, plan, name)
         self.compute = Block()       # the compute warpgroup's prologue (hoisted invariants)
+        self.group = plan.group if self.kernel == "dkdv" else None     # the dK/dV kernel's group loop
+        # where a step's invariants go: the prologue, or under a group loop (``GradPlan.group``)
+        # the lines of each visited head, a root of their own (its loads read its batch index)
+        self.hoist = Block() if self.group else self.compute
         self.mask_free = False       # every live block is mask-free: one body, not two
 
     def arange(self, n: str, axis: str) -> str:
@@ -148,7 +154,7 @@ class GluonTiles:
             "tl.warp_specialize([",
             f"    ({self.name}_loader, ({a}_desc, {b}_desc, {x}_desc, {y}_desc, {a}_smem, {b}_smem, {x}_smem, "
             f"{y}_smem, own_bar, {a}_ready, {a}_empty, {b}_ready, {b}_empty, {a}_row, {b}_row, {x}_row, {y}_row, "
-            "lo, f0, f1, hi)),",
+            f"lo, f0, f1, hi{f', {a}_step, {b}_step' if self.group else ''})),",
             f"    ({self.name}_compute0, compute_args),",
             f"    ({self.name}_compute1, compute_args),",
             "], [4, 4], [240, 240])",
@@ -161,7 +167,8 @@ class GluonTiles:
         sig = [a for a in self.signature() if ":" not in a and not a.endswith("_desc")]
         (a, b), (x, y) = self.ring, self.own
         pid = "pid_n" if self.kernel == "dkdv" else "pid_m"
-        return [*sig, pid, "pid_b", *[f"b{d}" for d in range(len(self.r.batch))], "lo", "f0", "f1", "hi",
+        grp = ["grp"] if self.group else []
+        return [*sig, pid, "pid_b", *[f"b{d}" for d in range(len(self.r.batch))], *grp, "lo", "f0", "f1", "hi",
                 f"{a}_smem", f"{b}_smem", f"{x}_smem", f"{y}_smem", "own_bar",
                 f"{a}_ready", f"{a}_empty", f"{b}_ready", f"{b}_empty"]
 
@@ -250,27 +257,39 @@ class GluonTiles:
         self.compute_prologue()
         full = self.step(True)
         masked = [] if self.mask_free else self.step(False)
-        loop = ["mbarrier.wait(own_bar, 0)",
-                "# the masked blocks [lo, f0) and [f1, hi) first, then the mask-free run [f0, f1): the loader's order",
-                "n_head = f0 - lo",
-                "n_mask = n_head + hi - f1"]
+        blocks = ["# the masked blocks [lo, f0) and [f1, hi) first, then the mask-free run [f0, f1): the loader's order",
+                  "n_head = f0 - lo",
+                  "n_mask = n_head + hi - f1"]
         if masked:
-            loop += ["for i in range(0, n_mask):",
-                     "    j = tl.where(i < n_head, lo + i, f1 + i - n_head)",
-                     *["    " + x for x in masked]]
-        loop += ["for i in range(n_mask, hi - lo):",
-                 "    j = f0 + i - n_mask",
-                 *["    " + x for x in full]]
+            blocks += ["for i in range(0, n_mask):",
+                       "    j = tl.where(i < n_head, lo + i, f1 + i - n_head)",
+                       *["    " + x for x in masked]]
+        blocks += ["for i in range(n_mask, hi - lo):",
+                   "    j = f0 + i - n_mask",
+                   *["    " + x for x in full]]
+        loop = ["mbarrier.wait(own_bar, 0)", *self.group_loop(blocks)]
         epi = self.gradient_stores()
         params = ", ".join(["W: tl.constexpr", *self.compute_params()])
         body = "\n".join("    " + x for x in pre + loop + epi)
         return f"@gluon.jit\ndef {self.name}_compute({params}):\n{body}\n"
 
+    def group_loop(self, blocks: list[str]) -> list[str]:
+        """The compute loops over the live blocks, under a group loop (``GradPlan.group``) once
+        per visited query head: its batch index, its invariants (``hoist``), the ring's slots
+        counted on from the heads before it (``base``, as the loader counts them)."""
+        group = self.group
+        if group is None:
+            return blocks
+        nb = len(self.r.batch)
+        head = [*group_member(nb, group, "gi"), "base = gi * (hi - lo)", *self.hoist.lines]
+        return [f"for gi in range({group.size}):  # the query heads sharing this K/V head",
+                *("    " + x for x in head + blocks), *group_member(nb, group, "0")]
+
     def write(self) -> str:
         self.scan()                  # first: the scan adds the block statistics' arguments
         compute = self.compute_function()
         self.fork()
-        return gluon_module(self, self.signature(), LOADER.format(name=self.name), compute)
+        return gluon_module(self, self.signature(), loader(self.name, self.group), compute)
 
     # -- per kernel --------------------------------------------------------------------------
     def scan(self) -> None:
@@ -294,7 +313,9 @@ class GluonDKDVWriter(GluonTiles, DKDVWriter):
 
     def scan(self) -> None:
         r, out = self.r, self.outer
-        out.lines += ["pid_n = tl.program_id(0)", *batch_index(len(r.batch)),
+        group = self.group
+        first = group_member(len(r.batch), group, "0") if group else []     # the group's first query head
+        out.lines += ["pid_n = tl.program_id(0)", *batch_index(len(r.batch), group), *first,
                       "n_lo = pid_n * BLOCK_N",
                       "n_hi = tl.minimum(n_lo + BLOCK_N, N) - 1",
                       "blk = pid_n       # this program's key block, for the sparsity scan",
@@ -308,6 +329,12 @@ class GluonDKDVWriter(GluonTiles, DKDVWriter):
             "do_row = (pid_b * (ddot_sb // ddot_sm)).to(tl.int32)  # dR: our own [batch * M, DV] rows",
             f"k_row = {descriptor_row(self.em, k, out)} + n_lo.to(tl.int32)",
             f"v_row = {descriptor_row(self.em, v, out)} + n_lo.to(tl.int32)"]
+        if group:       # the loader's rows of the next query head: Q's descriptor row, dR's batch row
+            b = var(r.batch_vars[group.dim])
+            later = "".join(f" * B{d}" for d in range(group.dim + 1, len(r.batch)))
+            out.lines += [f"q_step = {descriptor_row(self.em, substitute(q, lambda x: b + 1 if x == b else None), out)}"
+                          " - q_row",
+                          f"do_step = (1{later} * (ddot_sb // ddot_sm)).to(tl.int32)"]
         self.bounds(lo, f0, f1, hi)
 
     def compute_prologue(self) -> None:
@@ -336,11 +363,12 @@ class GluonDKDVWriter(GluonTiles, DKDVWriter):
         bodies' mask-free forms). No bounds masks: the launch takes whole blocks only
         (``runtime.gluon.tiles_usable``), and a [64, 64] tile of them costs registers the
         accumulators need."""
-        loop = Block(parent=self.compute)
+        loop = Block(parent=self.hoist)
         self.em.dot_names, self.em.red_names = {0: "qk0"}, {}
+        ring = "(base + i)" if self.group else "i"
         loop.lines += [
-            "st = i % STAGES",
-            "ph = (i // STAGES) & 1",
+            f"st = {ring} % STAGES",
+            f"ph = ({ring} // STAGES) & 1",
             "start_m = j * BLOCK_M",
             "mbarrier.wait(q_ready.index(st), ph)",
             "q = q_smem.index(st)",
@@ -415,7 +443,7 @@ class GluonDQWriter(GluonTiles, DQWriter):
         """One key block ``j`` (ring slot ``i``): S = Q K^T and dP = dR V^T in, the body and its
         reverse, dQ += dS K out. V's slot is released once dP is done, K's after dQ's product.
         No bounds masks (whole blocks only, ``runtime.gluon.tiles_usable``)."""
-        loop = Block(parent=self.compute)
+        loop = Block(parent=self.hoist)
         self.em.dot_names = {0: "qk0"}
         loop.lines += [
             "st = i % STAGES",
@@ -446,10 +474,10 @@ class GluonDQWriter(GluonTiles, DQWriter):
 
 LOADER = '''@gluon.jit
 def {name}_loader(a_desc, b_desc, x_desc, y_desc, a_smem, b_smem, x_smem, y_smem, own_bar, a_ready, a_empty,
-                  b_ready, b_empty, a_row, b_row, x_row, y_row, lo, f0, f1, hi):
+                  b_ready, b_empty, a_row, b_row, x_row, y_row, lo, f0, f1, hi{steps}):
     # this program's own tiles x and y once (dK/dV: K, V; dQ: Q, dR), then a and b (dK/dV: Q, dR;
     # dQ: K, V) of every live block through a ring of STAGES buffers, in the compute warpgroups'
-    # order: masked [lo, f0) and [f1, hi), then [f0, f1)
+    # order: masked [lo, f0) and [f1, hi), then [f0, f1){heads}
     STAGES: tl.constexpr = a_smem.type.shape[0]
     BLOCK: tl.constexpr = a_smem.type.shape[1]
     mbarrier.expect(own_bar, x_desc.block_type.nbytes + y_desc.block_type.nbytes)
@@ -457,27 +485,42 @@ def {name}_loader(a_desc, b_desc, x_desc, y_desc, a_smem, b_smem, x_smem, y_smem
     tma.async_copy_global_to_shared(y_desc, [y_row, 0], own_bar, y_smem)
     n_head = f0 - lo
     n_mask = n_head + hi - f1
-    for i in range(hi - lo):
+    {loop}
         j = tl.where(i < n_head, lo + i, tl.where(i < n_mask, f1 + i - n_head, f0 + i - n_mask))
-        s = i % STAGES
-        ph = (i // STAGES) & 1
+        s = {it} % STAGES
+        ph = ({it} // STAGES) & 1
         r0 = j * BLOCK
         # an empty barrier starts with its phase 1 complete: the first STAGES waits pass
         mbarrier.wait(a_empty.index(s), ph ^ 1)
         mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [a_row + r0, 0], a_ready.index(s), a_smem.index(s))
+        tma.async_copy_global_to_shared(a_desc, [{a_row} + r0, 0], a_ready.index(s), a_smem.index(s))
         mbarrier.wait(b_empty.index(s), ph ^ 1)
         mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(b_desc, [b_row + r0, 0], b_ready.index(s), b_smem.index(s))'''
+        tma.async_copy_global_to_shared(b_desc, [{b_row} + r0, 0], b_ready.index(s), b_smem.index(s))'''
 
 
-def generate_gluon_tile(region: Region, name: str, kernel: str) -> tuple[str, list]:
+def loader(name: str, group=None) -> str:
+    """The loader partition; under a group loop (``GradPlan.group``) it streams the live blocks
+    of each of the group's query heads in turn, a and b ``a_step`` and ``b_step`` rows further
+    on per head, its ring's slots counted on across the heads (as the compute loops count)."""
+    if group is None:
+        return LOADER.format(name=name, steps="", heads="", loop="for i in range(hi - lo):", it="i",
+                             a_row="a_row", b_row="b_row")
+    loop = (f"for it in range({group.size} * (hi - lo)):\n"
+            "        g = it // (hi - lo)  # the query head\n"
+            "        i = it - g * (hi - lo)")
+    return LOADER.format(name=name, steps=", a_step, b_step", heads=", for each query head of the group",
+                         loop=loop, it="it", a_row="a_row + g * a_step", b_row="b_row + g * b_step")
+
+
+def generate_gluon_tile(region: Region, name: str, kernel: str, plan: GradPlan | None = None) -> tuple[str, list]:
     """Gluon source of the ``kernel`` ("dkdv" or "dq") tile kernel ``name`` for ``region`` and
     the block statistics its scan reads (the Triton kernel's: the runtime checks); raises
     CodegenError where the region has none (``tiles_support``) or the emitted code would need
-    what Gluon lacks."""
-    why = tiles_support(region)
+    what Gluon lacks. ``plan``: the Triton kernels' (default: ``grad_plan``'s)."""
+    plan = plan or grad_plan(region)
+    why = tiles_support(region, plan)
     if why:
         raise CodegenError(why)
-    w = (GluonDKDVWriter if kernel == "dkdv" else GluonDQWriter)(region, name)
+    w = (GluonDKDVWriter if kernel == "dkdv" else GluonDQWriter)(region, name, plan)
     return w.write(), w.stats

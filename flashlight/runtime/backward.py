@@ -242,7 +242,7 @@ class BackwardKernels:
         if applies:
             args = self.tile_args(kernel, inputs, rowstats, drows, bufs, block_stats)
             if tier.launch(lambda: compile_gluon_tile(self, kernel),
-                           lambda fn: gluon.launch_tile(kernel, fn, self.region, args, inputs, ddot)):
+                           lambda fn: gluon.launch_tile(kernel, fn, self.region, self.plan, args, inputs, ddot)):
                 return
         triton_launch()
         if applies:
@@ -268,7 +268,7 @@ class BackwardKernels:
     def gluon_tiles_unsupported(self) -> str:
         if self.plan.fused_dq:
             return "the dK/dV kernel adds dQ (FLASHLIGHT_ATOMIC_DQ): the Gluon one does not"
-        return tiles_support(self.region)
+        return tiles_support(self.region, self.plan)
 
     @functools.cached_property
     def gluon_tiles_slower(self) -> str:
@@ -282,7 +282,7 @@ def compile_gluon_tile(k: BackwardKernels, kernel: str):
     scan reads the same block statistics as the Triton kernel's (checked here)."""
     placeholder = f"fl_g{kernel}"
     try:
-        source, stats = generate_gluon_tile(k.region, placeholder, kernel)
+        source, stats = generate_gluon_tile(k.region, placeholder, kernel, k.plan)
         if stats != (k.stats.dkdv if kernel == "dkdv" else k.stats.dq):
             raise CodegenError(f"the Gluon {kernel} kernel's block statistics differ from the Triton kernel's")
     except CodegenError:
@@ -298,7 +298,7 @@ def compile_gluon_tile_for(k: BackwardKernels, kernel: str, args: list, inputs: 
     """``compile_gluon_tile``, then its Triton compile for this launch (the background task)."""
     fn = compile_gluon_tile(k, kernel)
     if fn is not None:
-        gluon.compile_tile_for(kernel, fn, k.region, args, inputs, ddot)
+        gluon.compile_tile_for(kernel, fn, k.region, k.plan, args, inputs, ddot)
     return fn
 
 

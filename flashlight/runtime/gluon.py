@@ -23,6 +23,7 @@ import torch
 from .._compat import warm
 from ..codegen import gluon_backward as gb
 from ..codegen.gluon import BLOCK_M, BLOCK_N, DTYPES, MAXNREG, STAGES
+from ..codegen.gradients import GradPlan
 from ..ir import Region
 from ..tune import cdiv, pow2
 
@@ -162,17 +163,22 @@ def tile_meta(kernel: str, region: Region, inputs: list[torch.Tensor], ddot: tor
                 maxnreg=gb.MAXNREG)
 
 
-def tile_grid(kernel: str, region: Region) -> tuple[int, int]:
-    """dK/dV: a program per key block; dQ: per query block."""
+def tile_grid(kernel: str, region: Region, plan: GradPlan) -> tuple[int, int]:
+    """dK/dV: a program per key block (and batch index, or group of them: ``GradPlan.group``);
+    dQ: per query block and batch index."""
     bm, bn = gb.BLOCKS[kernel]
-    return cdiv(region.N, bn) if kernel == "dkdv" else cdiv(region.M, bm), math.prod(region.batch)
+    if kernel == "dkdv":
+        return cdiv(region.N, bn), plan.programs(region.batch)
+    return cdiv(region.M, bm), math.prod(region.batch)
 
 
-def launch_tile(kernel: str, fn, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
+def launch_tile(kernel: str, fn, region: Region, plan: GradPlan, args: list, inputs: list[torch.Tensor],
+                ddot: torch.Tensor) -> None:
     """One launch of the Gluon ``kernel``: ``args`` are the Triton kernel's (``BackwardKernels.tile_args``)."""
-    fn[tile_grid(kernel, region)](*args, **tile_meta(kernel, region, inputs, ddot))
+    fn[tile_grid(kernel, region, plan)](*args, **tile_meta(kernel, region, inputs, ddot))
 
 
-def compile_tile_for(kernel: str, fn, region: Region, args: list, inputs: list[torch.Tensor], ddot: torch.Tensor) -> None:
+def compile_tile_for(kernel: str, fn, region: Region, plan: GradPlan, args: list, inputs: list[torch.Tensor],
+                     ddot: torch.Tensor) -> None:
     """``compile_for`` of a tile kernel."""
-    warm(fn, tile_grid(kernel, region), args, tile_meta(kernel, region, inputs, ddot))
+    warm(fn, tile_grid(kernel, region, plan), args, tile_meta(kernel, region, inputs, ddot))
