@@ -7,6 +7,7 @@ import torch
 
 from flashlight.codegen import gradients
 from flashlight.codegen.gradients import Group
+from flashlight.runtime import backward as rtb
 from flashlight.runtime.op import REGISTRY
 from helpers import check_grads
 
@@ -59,8 +60,11 @@ def _per_head_key_scale(q, k, v, scale):
 @pytest.fixture
 def fresh(monkeypatch):
     """A registry of this test's regions alone (the loop's mode is part of the key); 16
-    programs per key block suffice for "auto" (``MIN_PROGRAMS``) with half a group of 4."""
+    programs per key block suffice for "auto" (``MIN_PROGRAMS``) with half a group of 4, and
+    "auto" takes these small regions as if the Gluon dK/dV kernel were their default
+    (``runtime.backward.group_mode``)."""
     monkeypatch.setattr(gradients, "MIN_PROGRAMS", 8)
+    monkeypatch.setattr(rtb, "gluon_dkdv_default", lambda region: True)
     REGISTRY.clear()
     torch.compiler.reset()
     yield monkeypatch
@@ -111,17 +115,16 @@ def test_no_group_loop_where_the_heads_of_a_group_differ(fresh, fn, extra):
     assert plan.group is None and "for gi in range" not in src
 
 
-def gqa_region(batch: tuple[int, int], n: int, group: int = 4):
+def gqa_region(batch: tuple[int, int], n: int, group: int = 4, d: int = 64, dtype=torch.float32):
     """softmax(q k^T / 2) v with K/V head b1 // group, built directly (no kernel runs)."""
     from flashlight.ir import Dot, Input, Reduction, Region, call, const, dot, load, red, var
     (b0, b1), m, nv, dk, dv = (var(x) for x in ("b0", "b1")), var("m"), var("n"), var("dk"), var("dv")
-    ins = [Input("q", (*batch, 64, 64), torch.float32),
-           *(Input(x, (batch[0], batch[1] // group, n, 64), torch.float32) for x in "kv")]
+    ins = [Input("q", (*batch, n, d), dtype), *(Input(x, (batch[0], batch[1] // group, n, d), dtype) for x in "kv")]
     s = call("mul", dot(0), const(0.5))
     reds = [Reduction("max", s), Reduction("sum", call("exp", call("sub", s, red(0)))),
             Reduction("dot", call("exp", call("sub", s, red(0))), load(2, (b0, b1 // group, nv, dv), "f"))]
-    return Region(batch, 64, n, 64, 64, ins, [Dot(load(0, (b0, b1, m, dk), "f"), load(1, (b0, b1 // group, nv, dk), "f"))],
-                  reds, call("div_safe", red(2), red(1)), torch.float32)
+    return Region(batch, n, n, d, d, ins, [Dot(load(0, (b0, b1, m, dk), "f"), load(1, (b0, b1 // group, nv, dk), "f"))],
+                  reds, call("div_safe", red(2), red(1)), dtype)
 
 
 def test_auto_keeps_enough_programs():
@@ -138,3 +141,16 @@ def test_auto_keeps_enough_programs():
     assert loop((4, 16), 4096, "0") is None
     assert {1, 2} <= gradients.grad_plan(gqa_region((4, 16), 4096)).stored
     assert not {1, 2} & gradients.grad_plan(gqa_region((4, 16), 1024)).stored
+
+
+def test_auto_loops_where_the_gluon_dkdv_kernel_runs():
+    """The runtime's "auto" (``group_mode``) loops only where the Gluon dK/dV tile kernel is the
+    region's default: GQA at D=128 in bf16 (it paid there); not at D=64, where the Triton
+    kernel runs and spills inside the loop. (Regions captured on meta tensors: nothing runs.)"""
+    from benchmarks.offline import capture
+    from flashlight.examples import VARIANTS
+    try:
+        modes = {d: rtb.group_mode(capture(VARIANTS["gqa"], 1, 4, 1024, d)[0].region, "auto") for d in (128, 64)}
+    finally:
+        REGISTRY.clear()
+    assert modes == {128: "auto", 64: "0"}
