@@ -221,6 +221,22 @@ G1)  # session 24: the dK/dV group loop (GradPlan.group): its GPU tests and the 
     echo "kernels FLASHLIGHT_GROUP_LOOP=$g rc $?"; grep -iE "dkdv|dq|step|total" $OUT/kernels_gqa_group_$g.txt | head -12 | cut -c1-150
   done
   ;;
+G2)  # session 24, after G1: the Triton dK/dV kernel's group loop flattened into its block loops (no loop
+    # nest: offline no spills); the loop forced (A: FLASHLIGHT_GROUP_LOOP=1) against atomics (B), default
+    # tile kernels (D=64: Triton; D=128: Gluon), then the Triton tile kernels at both head dims
+  export FLASHLIGHT_GROUP_LOOP=1
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "group_loop or gqa" \
+    > $OUT/test_gpu_group.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/test_gpu_group.txt | cut -c1-160
+  timeout -k 10 170 python3 -m benchmarks.run --suite training --only gqa_4,rope_gqa_4 \
+    --backends flashlight,flex --b-env FLASHLIGHT_GROUP_LOOP=0 --no-plots --time-limit 150 \
+    --out $OUT/g2 > $OUT/g2.txt 2>&1
+  echo "g2 rc $?"; tail -4 $OUT/g2.txt | cut -c1-170
+  FLASHLIGHT_GLUON_DKDV=0 timeout -k 10 150 python3 -m benchmarks.run --suite training --only gqa_4,rope_gqa_4 \
+    --backends flashlight --b-env FLASHLIGHT_GROUP_LOOP=0 --no-plots --time-limit 130 \
+    --out $OUT/g2_triton > $OUT/g2_triton.txt 2>&1
+  echo "g2_triton rc $?"; tail -4 $OUT/g2_triton.txt | cut -c1-170
+  ;;
 TR)  # issue #5's training table, starting no case after $LIMIT seconds
   timeout -k 10 $((LIMIT + 20)) python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
     --no-plots --time-limit $LIMIT --out $OUT/training > $OUT/training.txt 2>&1

@@ -29,9 +29,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, walk
+from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, substitute, walk
 from ..ir.derivative import ZERO, not_differentiable, tile, vjp
-from ..ir.expr import BINDS, children
+from ..ir.expr import BINDS, children, is_const, var
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
@@ -291,11 +291,22 @@ class LoopEmitter(Emitter):
     def __init__(self, axis: str):
         super().__init__()
         self.axis = axis
+        self.group: tuple[str, int] | None = None   # (batch var, L): the dK/dV kernel's group loop
 
     def variant(self, e: Expr) -> bool:
         fv = free_vars(e)
         return (self.axis in fv or (self.axis == "n" and KEY_START in fv) or bool(refs(e, "dot") or refs(e, "tile"))
-                or (self.axis == "m" and bool(refs(e, "red"))))
+                or (self.axis == "m" and bool(refs(e, "red"))) or (self.group is not None and self.per_head(e)))
+
+    def per_head(self, e: Expr) -> bool:
+        """Does ``e`` change between the heads of a group loop: does it read the group's batch
+        var b other than as b // c for a c that L divides (the same for L aligned heads)?"""
+        name, size = self.group
+        if name not in free_vars(e):
+            return False
+        kept = substitute(e, lambda x: var("_head") if x.op in ("idiv", "floordiv") and x.args[0] == var(name)
+                          and is_const(x.args[1]) and x.args[1].args[0] % size == 0 else None)
+        return name in free_vars(kept)
 
 
 def const_factor(e: Expr) -> tuple[Expr, float]:
@@ -622,33 +633,28 @@ class DKDVWriter(TileWriter):
 
     def query_loop(self) -> list[str]:
         """The loops over this key block's live query blocks (``query_scan``): a mask-free middle
-        and one loop over the masked head and tail (``block_loops``)."""
+        and one loop over the masked head and tail (``block_loops``). Under a group loop
+        (``GradPlan.group``: the query heads sharing this key block's K and V rows) each loop
+        visits the blocks of every head of the group, setting the head's batch index and flat
+        batch index in each iteration; what reads them is computed there, the rest (K and V,
+        read at ``b // G``, and the scan, which does not read b) once before the loops."""
         lo, hi, f0, f1 = self.query_scan()
         segs = [(lo, f0, False), (f0, f1, True), (f1, hi, False)]
-        return block_loops("start_m", "BLOCK_M", segs, self.query_block, self.em.fresh("i"))
+        group = self.plan.group
+        heads = (group.size, group_member(len(self.r.batch), group, "gi")) if group else None
+        return block_loops("start_m", "BLOCK_M", segs, self.query_block, self.em.fresh("i"), heads)
 
     def signature(self) -> list[str]:
         return self.common_args("dkdv") + ["SCAN_BLOCKS: tl.constexpr", "BLOCK_M: tl.constexpr",
                                            "BLOCK_N: tl.constexpr", "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr",
                                            *self.tma_arg()]
 
-    def group_loop(self) -> list[str]:
-        """The query loop of each query head the program visits (``GradPlan.group``: GQA's group
-        sharing this key block's K and V rows), one after the other into the same dK and dV.
-        Each head's lines (its batch index, scan, loads, descriptors) are a root block of their
-        own: nothing it computes is hoisted out of the head's iteration or read after the loop,
-        where the writes address the group's K and V head from its first member."""
-        nb, group = len(self.r.batch), self.plan.group
-        outer, self.outer = self.outer, Block()
-        self.outer.lines += group_member(nb, group, "gi")
-        self.outer.lines += self.query_loop()
-        body, self.outer = self.outer, outer
-        return [f"for gi in range({group.size}):  # the query heads sharing this K/V head",
-                *("    " + line for line in body.lines), *group_member(nb, group, "0")]
-
     def write(self) -> str:
+        group = self.plan.group
+        self.em.group = (self.r.batch_vars[group.dim], group.size) if group else None
         self.outer.lines += [
-            "pid_n = tl.program_id(0)", *batch_index(len(self.r.batch), self.plan.group),
+            "pid_n = tl.program_id(0)", *batch_index(len(self.r.batch), group),
+            *(group_member(len(self.r.batch), group, "0") if group else []),     # the group's first head
             "start_n = pid_n * BLOCK_N",
             "offs_n = start_n + tl.arange(0, BLOCK_N)",
             "offs_dk = tl.arange(0, BLOCK_DK)",
@@ -662,7 +668,7 @@ class DKDVWriter(TileWriter):
             "blk_valid = n_lo < N",
         ]
         self.accumulators()
-        self.outer.lines += self.group_loop() if self.plan.group else self.query_loop()
+        self.outer.lines += self.query_loop()
         self.outer.lines.append("# gradients of the K and V operands, accumulated over all query blocks")
         self.write_grads("dk", CTX_KN)
         self.write_grads("dv", CTX_V)

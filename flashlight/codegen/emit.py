@@ -480,9 +480,9 @@ class Emitter:
             return None
         inner = next(v for v, d in dims.items() if d == last)
         outer = cols if inner == rows else rows
-        if any(free_vars(ie) - {v for v in free_vars(ie) if v.startswith("b")}
+        if any(free_vars(ie) - {v for v in free_vars(ie) if v.startswith("b")} or self.variant(ie)
                for d, ie in enumerate(idx) if d not in dims.values()):
-            return None
+            return None     # (a batch index that changes along the loop: the dK/dV kernel's group loop)
         if any(not ctx.blocks[v][0].isdigit() and not self.variant(var(v)) for v in dims):
             return None     # a moving coordinate must be the loop's own (start_n / start_m)
         root = block
