@@ -113,10 +113,19 @@ def region_report(c) -> RegionReport:
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
     backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
         f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
+    if c.bwd_kernel is not None and c.bwd_kernel.plan.group:
+        backward += f"; {group_note(c.bwd_kernel.plan)}"
     hopper = hopper_forward(r) + (f"; {hopper_backward(r, c.bwd_kernel.plan.fused_dq)}" if c.bwd_kernel is not None
                                   else "")
     return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
                         backward, c.bwd_source, hopper)
+
+
+def group_note(plan) -> str:
+    """The dK/dV kernel's group loop (``GradPlan.group``), in words."""
+    kv = {s.input for s in plan.sites if s.ctx in ("k", "v")}
+    how = "stored once" if kv <= plan.stored else "added with atomics (part of the group per program)"
+    return f"each dK/dV program visits {plan.group.size} query heads sharing its K/V rows, dK/dV {how}"
 
 
 def hopper_forward(r: Region) -> str:

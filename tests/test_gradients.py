@@ -5,9 +5,9 @@ match float64 with it, with part of a group per program (atomics), and without i
 import pytest
 import torch
 
+import flashlight
 from flashlight.codegen import gradients
 from flashlight.codegen.gradients import Group
-from flashlight.runtime import backward as rtb
 from flashlight.runtime.op import REGISTRY
 from helpers import check_grads
 
@@ -60,11 +60,8 @@ def _per_head_key_scale(q, k, v, scale):
 @pytest.fixture
 def fresh(monkeypatch):
     """A registry of this test's regions alone (the loop's mode is part of the key); 16
-    programs per key block suffice for "auto" (``MIN_PROGRAMS``) with half a group of 4, and
-    "auto" takes these small regions as if the Gluon dK/dV kernel were their default
-    (``runtime.backward.group_mode``)."""
+    programs per key block suffice for "auto" (``MIN_PROGRAMS``) with half a group of 4."""
     monkeypatch.setattr(gradients, "MIN_PROGRAMS", 8)
-    monkeypatch.setattr(rtb, "gluon_dkdv_default", lambda region: True)
     REGISTRY.clear()
     torch.compiler.reset()
     yield monkeypatch
@@ -96,11 +93,14 @@ def test_the_dkdv_kernel_visits_the_query_heads_sharing_its_keys(fresh, mode, si
 
 
 def test_one_key_head_for_all_query_heads_is_one_group(fresh):
-    """MQA (K and V expanded, the head var unread): the group is every head."""
+    """MQA (K and V expanded, the head var unread): the group is every head; explain() says so."""
     fresh.setenv("FLASHLIGHT_GROUP_LOOP", "1")
-    check_grads(_mqa, (torch.randn(B, H, M, D), torch.randn(B, 1, N, D), torch.randn(B, 1, N, D)))
+    inputs = (torch.randn(B, H, M, D), torch.randn(B, 1, N, D), torch.randn(B, 1, N, D))
+    check_grads(_mqa, inputs)
     plan, src = plan_and_source()
-    assert plan.group == Group(1, H) and {1, 2} <= plan.stored and "atomic_add" not in src.split("_rows(")[0]
+    assert plan.group == Group(1, H) and {1, 2} <= plan.stored and "atomic_add" not in src
+    (report,) = flashlight.explain(_mqa, *(x.requires_grad_() for x in inputs)).regions
+    assert f"visits {H} query heads sharing its K/V rows, dK/dV stored once" in report.backward
 
 
 @pytest.mark.parametrize("fn, extra", [(_per_head_window, torch.tensor([5, 9, 40, 3, 17, 8, 45, 2])),
@@ -142,15 +142,3 @@ def test_auto_keeps_enough_programs():
     assert {1, 2} <= gradients.grad_plan(gqa_region((4, 16), 4096)).stored
     assert not {1, 2} & gradients.grad_plan(gqa_region((4, 16), 1024)).stored
 
-
-def test_auto_loops_where_the_gluon_dkdv_kernel_runs():
-    """The runtime's "auto" (``group_mode``) loops only where the Gluon dK/dV tile kernel is the
-    region's default: GQA at D=128 in bf16 (it paid there); not at D=64, where the Triton
-    kernel runs and spills inside the loop. (Regions captured on meta tensors: nothing runs.)"""
-    from benchmarks.offline import capture
-    from flashlight.examples import VARIANTS
-    try:
-        modes = {d: rtb.group_mode(capture(VARIANTS["gqa"], 1, 4, 1024, d)[0].region, "auto") for d in (128, 64)}
-    finally:
-        REGISTRY.clear()
-    assert modes == {128: "auto", 64: "0"}

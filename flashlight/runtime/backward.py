@@ -18,7 +18,7 @@ from ..codegen.backward import KernelStats
 from ..codegen.emit import CodegenError
 from ..codegen.gluon import gluon_pays
 from ..codegen.gluon_backward import generate_gluon_tile, tiles_support
-from ..codegen.gradients import GROUP_MODES, GradPlan, grad_plan
+from ..codegen.gradients import GROUP_MODES, GradPlan
 from ..ir import Region
 from ..tune import Config, cdiv, head_block, pow2
 from . import background, descriptors, gluon
@@ -42,21 +42,6 @@ def group_loop() -> str:
     if mode not in GROUP_MODES:
         raise ValueError(f"FLASHLIGHT_GROUP_LOOP={mode!r}: one of {', '.join(GROUP_MODES)}")
     return mode
-
-
-def group_mode(region: Region, mode: str) -> str:
-    """The group loop's mode (``gradients.group_loop``) for this region's backward: ``mode``
-    (``group_loop()``), where "auto" takes the loop only where the Gluon dK/dV tile kernel is
-    the region's default on Hopper. There it paid (GQA, group 4, D=128, H100: 1923 against
-    2586 µs); the Triton kernel spills inside the loop (offline sm_90 at D=64, 32 x 64: 158 ->
-    255 registers and 56 bytes of spills; 64 x 64: 0 -> 700 bytes), and its training step read
-    0.97x at D=64 and 1.01x at D=128 against the atomics (docs/notes.md, session 24)."""
-    return "0" if mode == "auto" and not gluon_dkdv_default(region) else mode
-
-
-def gluon_dkdv_default(region: Region) -> bool:
-    """Is the Gluon dK/dV tile kernel this region's default on Hopper (layouts permitting)?"""
-    return not (tiles_support(region, grad_plan(region, group="0")) or gluon_pays(region))
 
 
 @dataclass

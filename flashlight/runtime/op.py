@@ -34,7 +34,7 @@ from ..sparsity import STAT_BLOCK, dead_predicate, reads_loaded_rows, useful
 from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, smaller)
 from . import background, decode, descriptors, gluon
-from .backward import BackwardKernels, fused_dq, group_loop, group_mode
+from .backward import BackwardKernels, fused_dq, group_loop
 from .buffers import unwritten
 from .cache import load_module, source_hash
 from .quick import OWN_COMPILED, QuickStart, compile_own_for, compile_quick, quick_wanted  # noqa: F401
@@ -625,7 +625,7 @@ def compile_backward(c: CompiledRegion) -> None:
     try:
         source, stats = generate_backward(c.region, placeholder, interpret=interpreting(),
                                           allow_tf32=torch.backends.cuda.matmul.allow_tf32, fused_dq=c.fused_dq,
-                                          group=group_mode(c.region, c.group_loop))
+                                          group=c.group_loop)
     except CodegenError as e:
         c.bwd_reason = str(e)
         return
