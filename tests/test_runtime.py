@@ -712,6 +712,38 @@ def test_a_masked_region_starts_with_the_dense_kernel(mod, monkeypatch):
         flashlight.wait()
 
 
+def test_a_length_in_a_new_scan_bucket_starts_with_the_dense_kernel(monkeypatch):
+    """The two-loop kernel's SCAN_BLOCKS (its scan's vector of blocks) is a power of two per
+    length, so the kernel one length compiled compiles again at a length in another bucket. A
+    region there starts with the dense kernel too — launched with SCAN_BLOCKS=1, having no scan,
+    so one compile serves every length — while its own compiles in the background; at a length
+    in a bucket already compiled, with its own kernel."""
+    from flashlight.runtime import op
+    monkeypatch.setenv("FLASHLIGHT_QUICK", "force")
+    op.OWN_COMPILED.clear()
+    op.REGISTRY.clear()
+    torch.compiler.reset()
+    launched = []
+    real = op.launch_kernel
+    monkeypatch.setattr(op, "launch_kernel", lambda k, grid, args, meta, s: launched.append((k, meta))
+                        or real(k, grid, args, meta, s))
+    fn = torch.compile(causal.attention, backend="flashlight", dynamic=False)
+    scans = {}
+    for m, quick in ((70, True), (300, True), (75, False)):
+        launched.clear()
+        with torch.no_grad():
+            out = fn(*(inputs := causal.make_inputs(B=1, H=2, M=m, D=16)))
+        (c,) = [c for c in op.REGISTRY.values() if c.region.M == m]
+        assert (launched[0][0] is not c.kernel) == quick, m
+        assert launched[0][1]["SCAN_BLOCKS"] == 1 if quick else launched[0][1]["SCAN_BLOCKS"] == scans[70]
+        assert rel_error(out, causal.attention(*(to64(x) for x in inputs))) < 1e-3
+        flashlight.wait()
+        scans[m] = next(iter(c.metas.values()))[1]["SCAN_BLOCKS"]      # its own kernel's
+    assert scans[70] == scans[75] != scans[300]
+    assert {(c.name, scans[70]), (c.name, scans[300])} <= op.OWN_COMPILED
+    op.REGISTRY.clear()
+
+
 def test_no_quick_start_without_a_mask_or_background(monkeypatch):
     """A region without a useful mask has one kernel already; with compiles blocking
     (``FLASHLIGHT_BACKGROUND=0``) or ``FLASHLIGHT_QUICK=0`` the region's own kernel runs first;

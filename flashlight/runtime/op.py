@@ -203,7 +203,7 @@ class CompiledRegion:
                 meta = self.metas[cfg, stats, tma] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)),
                                                       launch_meta(r, cfg, stats, tma))
             args = kernel_args(r, self.stats, inputs, outs, rowstats, block_stats)
-            quick = self.quick_start(inputs, gluon_ok)
+            quick = self.quick_start(inputs, gluon_ok, meta[1]["SCAN_BLOCKS"])
             if quick is None:
                 launch_kernel(self.kernel, meta[0], args, meta[1], inputs[0].device if tma else None)
             else:
@@ -238,14 +238,15 @@ class CompiledRegion:
         """Did the Triton kernel measure faster for regions like this one (``gluon_pays``)?"""
         return bool(gluon_pays(self.region))
 
-    def quick_start(self, inputs: list[torch.Tensor], gluon_ok: bool) -> QuickStart | None:
+    def quick_start(self, inputs: list[torch.Tensor], gluon_ok: bool, scan: int) -> QuickStart | None:
         """The kernel of this launch if it is the quick one (``QuickStart``), else None: decided
-        at the region's first launch, and None for good once its own kernel has compiled."""
+        at the region's first launch (``scan``: its SCAN_BLOCKS), and None for good once its own
+        kernel has compiled."""
         if not gluon_ok:        # the autotuner times the region's own kernel's configs
             return None
         q = self.quick
         if q is None:
-            q = self.quick = quick_wanted(self, inputs, gluon_ok) and compile_quick(self)
+            q = self.quick = quick_wanted(self, inputs, gluon_ok, scan) and compile_quick(self)
         if not q:
             return None
         capturing = inputs[0].is_cuda and torch.cuda.is_current_stream_capturing()

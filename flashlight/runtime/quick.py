@@ -37,24 +37,30 @@ class QuickStart:
     future: object = None   # the region's own kernel compiling in the background
 
     def launch(self, r: Region, cfg: Config, stats: bool, inputs, outs, rowstats, grid) -> None:
+        """One launch; SCAN_BLOCKS (the scan's vector of blocks, a power of two per length) is 1:
+        this kernel has no scan, and one compile then serves every length."""
         tma = descriptors.flag(self.tma, inputs)
         args = op.kernel_args(r, self.stats, inputs, outs, rowstats)
-        meta = op.launch_meta(r, cfg, stats, tma)
+        meta = {**op.launch_meta(r, cfg, stats, tma), "SCAN_BLOCKS": 1}
         op.launch_kernel(self.kernel, grid, args, meta, inputs[0].device if tma else None)
 
 
-# kernels (by name) this process compiled: a region sharing one skips the quick start
-OWN_COMPILED: set[str] = set()
+# (kernel name, SCAN_BLOCKS) of the kernels this process compiled: a region sharing one skips the
+# quick start. The scan's vector size is a constexpr, a power of two per length: the same kernel
+# at a length in another bucket compiles again (session 24: the flex suite's first calls at
+# 1x16384 after 4x4096 compiled the two-loop kernel on the calling thread)
+OWN_COMPILED: set[tuple[str, int]] = set()
 
 
-def quick_wanted(c, inputs: list[torch.Tensor], gluon_ok: bool) -> bool:
+def quick_wanted(c, inputs: list[torch.Tensor], gluon_ok: bool, scan: int) -> bool:
     """Does this region start with the quick kernel? A mask that skips blocks (``c.sparse``: the
     two-loop kernel), compiles in the background (``FLASHLIGHT_BACKGROUND``), no autotuning, a
-    GPU launch, its own kernel not already compiled by this process. ``FLASHLIGHT_QUICK=0`` turns
-    it off; ``force`` also under the interpreter (the CPU tests)."""
+    GPU launch, its own kernel not already compiled by this process for this launch's
+    SCAN_BLOCKS (``scan``). ``FLASHLIGHT_QUICK=0`` turns it off; ``force`` also under the
+    interpreter (the CPU tests)."""
     mode = os.environ.get("FLASHLIGHT_QUICK", "1")
     if mode == "0" or not c.sparse or not background.enabled() or c.max_autotune or not gluon_ok \
-            or c.name in OWN_COMPILED:
+            or (c.name, scan) in OWN_COMPILED:
         return False
     return mode == "force" or (inputs[0].is_cuda and not op.interpreting())
 
@@ -67,6 +73,8 @@ def compile_quick(c) -> QuickStart | bool:
                                       interpret=op.interpreting(), sparse=False)
     except CodegenError:
         return False
+    if source.count("SCAN_BLOCKS") > 1:     # a scan after all: launched with SCAN_BLOCKS=1 it would be wrong
+        return False
     name = f"fl_fwdq_{source_hash(source)}"
     module, _ = load_module(name, source.replace(f"def {placeholder}(", f"def {name}("))
     return QuickStart(fast_launch(getattr(module, name), op.interpreting()), stats, tma)
@@ -76,7 +84,7 @@ def compile_own_for(c, args: list, meta: tuple):
     """Triton's compile of the region's own kernel for this launch (no launch), its launcher
     built alongside: the background task of a quick start. Under the interpreter, nothing to
     compile."""
-    OWN_COMPILED.add(c.name)
+    OWN_COMPILED.add((c.name, meta[1]["SCAN_BLOCKS"]))
     if op.interpreting():
         return
     _compat.warm(c.kernel, meta[0], args, meta[1])
