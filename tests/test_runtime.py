@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashlight
-from flashlight.examples import alibi, causal, document_mask, key_padding
+from flashlight.examples import alibi, causal, document_mask, key_padding, vanilla
 from flashlight.runtime.cache import load_module
 from flashlight.testing import rel_error, to64
 
@@ -744,11 +744,40 @@ def test_a_length_in_a_new_scan_bucket_starts_with_the_dense_kernel(monkeypatch)
     op.REGISTRY.clear()
 
 
+@pytest.mark.parametrize("mod", [vanilla, causal], ids=["vanilla", "causal"])
+def test_kernels_without_a_scan_take_one_scan_block_at_every_length(mod, monkeypatch):
+    """SCAN_BLOCKS sizes a block scan's vector: a power of two per length, so a new bucket of
+    lengths compiles a kernel again. Kernels without a scan (every kernel of a region without
+    a useful mask) are launched with 1 — one compile for every length — and those with one
+    (causal's forward, dK/dV and dQ) with the power of two; gradients match float64 at both
+    lengths."""
+    from flashlight.runtime import op
+    monkeypatch.setenv("FLASHLIGHT_QUICK", "0")
+    op.REGISTRY.clear()
+    torch.compiler.reset()
+    metas = []
+    real = op.launch_kernel
+    monkeypatch.setattr(op, "launch_kernel", lambda k, grid, args, meta, s: metas.append(meta)
+                        or real(k, grid, args, meta, s))
+    fn = torch.compile(mod.attention, backend="flashlight", dynamic=False)
+    for m in (40, 300):
+        metas.clear()
+        inputs = [x.requires_grad_() for x in mod.make_inputs(B=1, H=2, M=m, D=16)]
+        out = fn(*inputs)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(m))
+        got = torch.autograd.grad(out, inputs, dout)
+        ref, want = grads64(mod, inputs, dout)
+        assert rel_error(out, ref) < 1e-3 and all(rel_error(g, w) < 1e-3 for g, w in zip(got, want))
+        scans = [meta["SCAN_BLOCKS"] for meta in metas if "SCAN_BLOCKS" in meta]
+        assert len(scans) == 3          # the forward, dK/dV and dQ
+        assert all(x == 1 for x in scans) == (mod is vanilla), scans
+    op.REGISTRY.clear()
+
+
 def test_no_quick_start_without_a_mask_or_background(monkeypatch):
     """A region without a useful mask has one kernel already; with compiles blocking
     (``FLASHLIGHT_BACKGROUND=0``) or ``FLASHLIGHT_QUICK=0`` the region's own kernel runs first;
     under the interpreter, by default, too (nothing to save)."""
-    from flashlight.examples import vanilla
     from flashlight.runtime import op
     cases = [(vanilla, {"FLASHLIGHT_QUICK": "force"}),
              (causal, {"FLASHLIGHT_QUICK": "force", "FLASHLIGHT_BACKGROUND": "0"}),

@@ -52,6 +52,7 @@ class BackwardKernels:
     dkdv: object
     dq: object
     metas: dict = field(default_factory=dict)      # (kernel, config, TMA) -> (grid, launch_meta)
+    scans: dict = field(default_factory=lambda: {"dkdv": True, "dq": True})   # reads SCAN_BLOCKS (op.reads_scan)
     gdkdv: background.Tier = field(default_factory=background.Tier)     # the Gluon tile kernels (Hopper)
     gdq: background.Tier = field(default_factory=background.Tier)
 
@@ -157,9 +158,11 @@ class BackwardKernels:
                                                           num_warps=cfg.num_warps)
         if kernel == "dkdv":        # over key blocks
             return (cdiv(r.N, cfg.BLOCK_N), self.plan.programs(r.batch)), dict(
-                DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)), BLOCK_DK=head_block(r.DK),
-                BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(), **({} if tma is None else {"TMA": tma}))
-        return (cdiv(r.M, cfg.BLOCK_M), batch), op.launch_meta(r, cfg, tma=tma)     # dQ: the forward's constexprs
+                DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)) if self.scans["dkdv"] else 1,
+                BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(),
+                **({} if tma is None else {"TMA": tma}))
+        # dQ: the forward's constexprs
+        return (cdiv(r.M, cfg.BLOCK_M), batch), op.launch_meta(r, cfg, tma=tma, scan=self.scans["dq"])
 
     def launch_rows(self, inputs, rowstats, out, grad, bufs, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
         """dL/dr_j: of the row sums into a tensor laid out like the row statistics (only the

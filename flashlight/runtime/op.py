@@ -201,7 +201,7 @@ class CompiledRegion:
             meta = self.metas.get((cfg, stats, tma))
             if meta is None:      # per config: the grid and the constexprs (host time on every call)
                 meta = self.metas[cfg, stats, tma] = ((cdiv(r.M, cfg.BLOCK_M), math.prod(r.batch)),
-                                                      launch_meta(r, cfg, stats, tma))
+                                                      launch_meta(r, cfg, stats, tma, self.scans))
             args = kernel_args(r, self.stats, inputs, outs, rowstats, block_stats)
             quick = self.quick_start(inputs, gluon_ok, meta[1]["SCAN_BLOCKS"])
             if quick is None:
@@ -237,6 +237,11 @@ class CompiledRegion:
     def gluon_slower(self) -> bool:
         """Did the Triton kernel measure faster for regions like this one (``gluon_pays``)?"""
         return bool(gluon_pays(self.region))
+
+    @functools.cached_property
+    def scans(self) -> bool:
+        """Does the forward kernel read SCAN_BLOCKS (``reads_scan``)?"""
+        return reads_scan(self.source, self.name)
 
     def quick_start(self, inputs: list[torch.Tensor], gluon_ok: bool, scan: int) -> QuickStart | None:
         """The kernel of this launch if it is the quick one (``QuickStart``), else None: decided
@@ -493,11 +498,22 @@ def agree(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float = TUNE_AG
     return True
 
 
-def launch_meta(r: Region, cfg: Config, stats: bool | None = None, tma: bool | None = None) -> dict:
+def reads_scan(source: str, name: str) -> bool:
+    """Does the ``@triton.jit`` function ``name`` in ``source`` read its SCAN_BLOCKS constexpr
+    (a block scan's vector size, a power of two per length), beyond declaring it? Kernels without
+    a scan get 1: the same compile then serves every length."""
+    body = source[source.index(f"def {name}("):]
+    end = body.find("\n@triton.jit", 1)
+    return (body if end < 0 else body[:end]).count("SCAN_BLOCKS") > 1
+
+
+def launch_meta(r: Region, cfg: Config, stats: bool | None = None, tma: bool | None = None,
+                scan: bool = True) -> dict:
     """Constexpr and launch keyword arguments of a generated kernel (``stats``: the forward's
-    STATS constexpr, ``tma``: the TMA one; None for kernels without it)."""
+    STATS constexpr, ``tma``: the TMA one; None for kernels without it; ``scan``: the kernel
+    reads SCAN_BLOCKS, ``reads_scan``)."""
     return dict(DK=r.DK, DV=r.DV, EVEN_M=r.M % cfg.BLOCK_M == 0, EVEN_N=r.N % cfg.BLOCK_N == 0,
-                SCAN_BLOCKS=pow2(cdiv(r.N, cfg.BLOCK_N)),
+                SCAN_BLOCKS=pow2(cdiv(r.N, cfg.BLOCK_N)) if scan else 1,
                 BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(),
                 **({} if stats is None else {"STATS": stats}), **({} if tma is None else {"TMA": tma}))
 
@@ -635,7 +651,9 @@ def compile_backward(c: CompiledRegion) -> None:
     module, _ = load_module(c.bwd_name, c.bwd_source)
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
     c.bwd_kernel = BackwardKernels(c.region, stats, kernel("_rows"), kernel(""),
-                                   None if stats.plan.fused_dq else kernel("_dq"))
+                                   None if stats.plan.fused_dq else kernel("_dq"),
+                                   scans={"dkdv": reads_scan(c.bwd_source, c.bwd_name),
+                                          "dq": not stats.plan.fused_dq and reads_scan(c.bwd_source, f"{c.bwd_name}_dq")})
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())
