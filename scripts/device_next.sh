@@ -1,3 +1,9 @@
+# Session 25's plan (session 24 ran eight calls, all on H100s; docs/notes.md "Session 24"): ask for the
+#   H200 (kind="nvidia-h200"); whatever comes, run F (the flex suite, ~220 s; the first-call misses at
+#   1x16384 D=128 should be gone: the quick start per scan bucket), then TR with LIMIT=250 (now with the
+#   gqa_4 row), then the GPU tests in full (TRITON_INTERPRET=0 PYTHONPATH=. pytest tests/test_gpu.py,
+#   ~340 s: the group loop's tests are in it). Leads: DiffAttn's two-score-tile dK/dV (0.90-0.92x
+#   Inductor), the Gluon kernels' SCAN_BLOCKS per length.
 # Session 24's plan (session 23 ran nine calls, all on H100s; docs/notes.md "Session 23"): the H200
 #   has not come since session 19, and issues #5 and #6 ask for their tables on it. Ask for it
 #   (kind="nvidia-h200"); whatever comes, run F (the flex suite, ~160 s on an H100), then TR with
