@@ -652,8 +652,8 @@ def compile_backward(c: CompiledRegion) -> None:
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
     c.bwd_kernel = BackwardKernels(c.region, stats, kernel("_rows"), kernel(""),
                                    None if stats.plan.fused_dq else kernel("_dq"),
-                                   scans={"dkdv": reads_scan(c.bwd_source, c.bwd_name),
-                                          "dq": not stats.plan.fused_dq and reads_scan(c.bwd_source, f"{c.bwd_name}_dq")})
+                                   scans={"dkdv": reads_scan(c.bwd_source, c.bwd_name), "dq": not stats.plan.fused_dq
+                                          and reads_scan(c.bwd_source, f"{c.bwd_name}_dq")})
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())

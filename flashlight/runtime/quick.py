@@ -73,7 +73,7 @@ def compile_quick(c) -> QuickStart | bool:
                                       interpret=op.interpreting(), sparse=False)
     except CodegenError:
         return False
-    if source.count("SCAN_BLOCKS") > 1:     # a scan after all: launched with SCAN_BLOCKS=1 it would be wrong
+    if op.reads_scan(source, placeholder):      # a scan after all: with SCAN_BLOCKS=1 it would be wrong
         return False
     name = f"fl_fwdq_{source_hash(source)}"
     module, _ = load_module(name, source.replace(f"def {placeholder}(", f"def {name}("))
