@@ -501,8 +501,12 @@ def agree(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float = TUNE_AG
 def reads_scan(source: str, name: str) -> bool:
     """Does the ``@triton.jit`` function ``name`` in ``source`` read its SCAN_BLOCKS constexpr
     (a block scan's vector size, a power of two per length), beyond declaring it? Kernels without
-    a scan get 1: the same compile then serves every length."""
-    body = source[source.index(f"def {name}("):]
+    a scan get 1: the same compile then serves every length. True where ``name`` is not found
+    (a kernel named otherwise than its region: the value it always had)."""
+    start = source.find(f"def {name}(")
+    if start < 0:
+        return True
+    body = source[start:]
     end = body.find("\n@triton.jit", 1)
     return (body if end < 0 else body[:end]).count("SCAN_BLOCKS") > 1
 
