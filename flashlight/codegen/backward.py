@@ -29,13 +29,13 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, substitute, walk
+from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, walk
 from ..ir.derivative import ZERO, not_differentiable, tile, vjp
-from ..ir.expr import BINDS, children, is_const, var
+from ..ir.expr import BINDS, children
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
-from .gradients import GradPlan, extra_seeds, grad_plan, in_bounds, scatter
+from .gradients import GradPlan, extra_seeds, grad_plan, in_bounds, per_head, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
                      batch_index, block_loops, dk_chunks, dv_state, full_tile, group_member, key_block, operand_dtype,
                      out_offsets, piece_ctx, piece_suffix, segment_bounds, short_expr)
@@ -296,17 +296,7 @@ class LoopEmitter(Emitter):
     def variant(self, e: Expr) -> bool:
         fv = free_vars(e)
         return (self.axis in fv or (self.axis == "n" and KEY_START in fv) or bool(refs(e, "dot") or refs(e, "tile"))
-                or (self.axis == "m" and bool(refs(e, "red"))) or (self.group is not None and self.per_head(e)))
-
-    def per_head(self, e: Expr) -> bool:
-        """Does ``e`` change between the heads of a group loop: does it read the group's batch
-        var b other than as b // c for a c that L divides (the same for L aligned heads)?"""
-        name, size = self.group
-        if name not in free_vars(e):
-            return False
-        kept = substitute(e, lambda x: var("_head") if x.op in ("idiv", "floordiv") and x.args[0] == var(name)
-                          and is_const(x.args[1]) and x.args[1].args[0] % size == 0 else None)
-        return name in free_vars(kept)
+                or (self.axis == "m" and bool(refs(e, "red"))) or (self.group is not None and per_head(e, *self.group)))
 
 
 def const_factor(e: Expr) -> tuple[Expr, float]:

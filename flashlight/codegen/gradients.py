@@ -116,13 +116,19 @@ def _divisions(e: Expr, name: str) -> set[int]:
             and is_const(x.args[1]) and x.args[1].kind == "i" and x.args[1].args[0] > 1}
 
 
-def _quotient(name: str, size: int, new: str):
-    """A ``substitute`` rule: ``name // size`` -> the var ``new``."""
+def _quotient(name: str, fits, new: str):
+    """A ``substitute`` rule: ``name // c`` -> the var ``new``, for every constant c with ``fits(c)``."""
     def fn(x: Expr) -> Expr | None:
-        if x.op in ("idiv", "floordiv") and x.args[0] == var(name) and is_const(x.args[1], size):
+        if x.op in ("idiv", "floordiv") and x.args[0] == var(name) and is_const(x.args[1]) and fits(x.args[1].args[0]):
             return var(new)
         return None
     return fn
+
+
+def per_head(e: Expr, name: str, size: int) -> bool:
+    """Does ``e`` change between ``size`` aligned consecutive values of the var ``name`` (a group
+    loop's heads): does it read ``name`` other than as ``name // c`` for a c that ``size`` divides?"""
+    return name in free_vars(e) and name in free_vars(substitute(e, _quotient(name, lambda c: c % size == 0, "_q")))
 
 
 def group_loop(region: Region, accs: dict[str, list[Expr]], mode: str = "auto") -> Group | None:
@@ -143,7 +149,7 @@ def group_loop(region: Region, accs: dict[str, list[Expr]], mode: str = "auto") 
         sizes = set().union(*(_divisions(e, name) for e in operands)) if read else {region.batch[d]} - {1}
         for g in sorted(sizes, reverse=True):
             if region.batch[d] % g or name in scan or any(
-                    name in free_vars(substitute(e, _quotient(name, g, "grp"))) for e in operands):
+                    name in free_vars(substitute(e, _quotient(name, lambda c: c == g, "grp"))) for e in operands):
                 continue
             loops = [s for s in range(g, 1, -1) if g % s == 0
                      and (mode == "1" or blocks * math.prod(region.batch) // s >= MIN_PROGRAMS)]
@@ -245,7 +251,7 @@ def owned(x: Expr, ctx: str, region: Region, group: Group | None = None) -> Box 
     if group is not None:
         name = region.batch_vars[group.dim]
         extent["grp"], grid[group.dim] = region.batch[group.dim] // group.size, "grp"
-        index = [substitute(ie, _quotient(name, group.size, "grp")) for ie in index]
+        index = [substitute(ie, _quotient(name, lambda c: c == group.size, "grp")) for ie in index]
     seen: set[str] = set()
     box = []
     for ie, size in zip(index, region.inputs[x.args[0]].shape):
