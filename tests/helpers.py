@@ -14,6 +14,13 @@ from flashlight.runtime.op import REGISTRY
 from flashlight.testing import reference, rel_error, score_sized_nodes, to64
 
 
+def causal_gqa(q, k, v):
+    """Causal attention whose K/V heads are shared by groups of query heads (``repeat_interleave``)."""
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax((q @ k.mT * q.shape[-1] ** -0.5).masked_fill(mask, float("-inf")), -1) @ v
+
+
 def check_fused(fn, *args, tol=1e-3, regions=1, score_numel=None):
     """Compile ``fn`` with flashlight, compare with float64 eager, and assert that it fused:
     explain() lists the regions, each kernel launched, and no score-sized tensor is computed by

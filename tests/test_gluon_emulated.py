@@ -19,6 +19,7 @@ from flashlight.ir.region import rowstat_columns
 from flashlight.runtime import gluon as rg
 from flashlight.runtime import op as rt
 from flashlight.testing import reference, rel_error, to64
+from helpers import causal_gqa
 
 # (variant, head dim, length, make_inputs' other arguments): whole Gluon blocks (the forward: 128
 # queries x 128 keys; dK/dV: 64 x 128; dQ: 128 x 64); the band and the prefix are the examples'
@@ -85,14 +86,8 @@ def check_tile_kernels(c, xs):
         assert rel_error(got[i], want[i]) < 2e-3, i
 
 
-def _causal_gqa(q, k, v):
-    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-    return torch.softmax((q @ k.mT * 0.125).masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1),
-                                                        float("-inf")), -1) @ v
-
-
 @pytest.mark.parametrize("fn,b,h,hkv,d,n", [(VARIANTS["gqa"].attention, 1, 4, 2, 64, 128),
-                                             (_causal_gqa, 2, 2, 1, 64, 256)], ids=["gqa-d64", "causal-mqa-d64"])
+                                             (causal_gqa, 2, 2, 1, 64, 256)], ids=["gqa-d64", "causal-mqa-d64"])
 def test_the_gluon_dkdv_kernel_visits_the_heads_sharing_its_keys(monkeypatch, fn, b, h, hkv, d, n):
     """Under a group loop (``GradPlan.group``, forced: ``FLASHLIGHT_GROUP_LOOP=1``) the Gluon
     dK/dV program runs the query loop of each head of the group, its loader streaming their Q

@@ -12,6 +12,7 @@ from flashlight.codegen.gluon_backward import tiles_support
 from flashlight.examples import VARIANTS
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import rel_error, to64
+from helpers import causal_gqa
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="compiled Triton kernels need a GPU (and TRITON_INTERPRET=0)")
@@ -264,15 +265,9 @@ def test_gluon_tile_kernels_long_loops_and_fallbacks(name, D, M, N, monkeypatch)
         assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))
 
 
-def _causal_gqa(q, k, v):
-    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
-    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
-    return torch.softmax((q @ k.mT * q.shape[-1] ** -0.5).masked_fill(mask, float("-inf")), -1) @ v
-
-
 @pytest.mark.parametrize("tiles", ["all", "0"])
 @pytest.mark.parametrize("fn,B,H,Hkv,D,N", [(VARIANTS["gqa"].attention, 2, 8, 2, 128, 512),
-                                            (_causal_gqa, 1, 8, 1, 64, 640)], ids=["gqa", "causal-mqa"])
+                                            (causal_gqa, 1, 8, 1, 64, 640)], ids=["gqa", "causal-mqa"])
 def test_the_dkdv_group_loop(fn, B, H, Hkv, D, N, tiles, monkeypatch):
     """``FLASHLIGHT_GROUP_LOOP=1``: a dK/dV program visits the query heads sharing its K/V head
     (GQA: 4; causal MQA: 8) and stores dK and dV once, in the Gluon tile kernel ("all") and the
