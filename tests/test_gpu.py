@@ -80,10 +80,17 @@ def test_fused_dq_bf16(name, D, monkeypatch):
         torch.compiler.reset()
 
 
-def test_fast_launch_recompiles_for_a_misaligned_view():
+def test_fast_launch_recompiles_for_a_misaligned_view(monkeypatch):
     """The same compiled region called on an aligned q, then on a view 2 bytes into its storage:
     the launcher's key sends the second through Triton (another specialisation), and both agree
-    with eager."""
+    with eager. Without the quick start: its dense kernel serves the first calls while the
+    region's own kernel compiles in the background, and whether that kernel is ready by the
+    fifth call depends on the host. (The test passed while an earlier test's causal kernel of
+    the same name turned the quick start off; keyed per scan bucket since session 24, it did
+    not, and the test failed in session 25.)"""
+    monkeypatch.setenv("FLASHLIGHT_QUICK", "0")
+    REGISTRY.clear()            # read at a region's first launch: no region of an earlier test
+    torch.compiler.reset()
     mod = VARIANTS["causal"]
     q, k, v = (x.to(torch.bfloat16) for x in _inputs("causal", B=1, H=2, M=200, D=64))
     fast = torch.compile(mod.attention, backend="flashlight", dynamic=False)
