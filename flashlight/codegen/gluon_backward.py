@@ -41,7 +41,7 @@ from .backward import DKDVWriter, DQWriter, backward_support, const_factor, dot_
 from .emit import Block, CodegenError, Ctx
 from .gluon import (DTYPES, SCAN_LAYOUTS, bulk_operand, check_layouts, descriptor_row, gluon_module, gluon_support,
                     key_bounds, scan_arange, wgmma_layout)
-from .gradients import GradPlan, grad_plan
+from .gradients import GradPlan, atomic_add, grad_plan
 from .kernel import batch_index, group_member
 
 WG = 64              # a compute warpgroup's own rows (dK/dV: keys; dQ: queries)
@@ -245,7 +245,7 @@ class GluonTiles:
             if i in self.plan.stored:
                 epi.lines.append(f"tl.store({ptr}, ({val}).to(g{i}_ptr.dtype.element_ty))")
             else:
-                epi.lines.append(f"tl.atomic_add({ptr}, {val})")
+                epi.lines.append(atomic_add(ptr, val))
         return epi.lines
 
     def compute_function(self) -> str:

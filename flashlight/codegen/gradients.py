@@ -292,6 +292,13 @@ def in_bounds(ctx: Ctx) -> str | None:
     return " & ".join(masks) or None
 
 
+def atomic_add(ptr: str, val: str, mask: str = "") -> str:
+    """An fp32 accumulation into a gradient (``mask``: "" or ", mask=..."). Relaxed: the adds
+    order nothing (the gradient is read after the kernel), and Triton's default, acq_rel, puts
+    a fence around each one (PyTorch's Inductor made its own relaxed in pytorch#129133)."""
+    return f"tl.atomic_add({ptr}, {val}{mask}, sem=\"relaxed\")"
+
+
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
             stored: frozenset[int] = frozenset(), tile_mask: str | None = None,
             sum_mask: str | None = None) -> None:
@@ -322,4 +329,4 @@ def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
         if x.args[0] in stored:
             block.lines.append(f"tl.store({ptr}, {val}.to(g{x.args[0]}_ptr.dtype.element_ty){mask})")
         else:
-            block.lines.append(f"tl.atomic_add({ptr}, {val}{mask})")
+            block.lines.append(atomic_add(ptr, val, mask))
