@@ -141,15 +141,19 @@ def group_loop(region: Region, accs: dict[str, list[Expr]], mode: str = "auto") 
     operands = accs["dk"] + accs["dv"]
     if mode == "0" or not operands:
         return None
-    scan = free_vars(dead_predicate(region, region.passes()[0])) | free_vars(
-        full_predicate([rd.body for rd in region.reductions if rd.kind != "max"]))
+    scan = None         # the vars the scan's predicates read, found at the first candidate
     blocks = -(-region.N // NOMINAL_KEYS)
     for d, name in enumerate(region.batch_vars):
         read = any(name in free_vars(e) for e in operands)     # unread: every index shares them (MQA)
         sizes = set().union(*(_divisions(e, name) for e in operands)) if read else {region.batch[d]} - {1}
         for g in sorted(sizes, reverse=True):
-            if region.batch[d] % g or name in scan or any(
+            if region.batch[d] % g or any(
                     name in free_vars(substitute(e, _quotient(name, lambda c: c == g, "grp"))) for e in operands):
+                continue
+            if scan is None:
+                scan = free_vars(dead_predicate(region, region.passes()[0])) | free_vars(
+                    full_predicate([rd.body for rd in region.reductions if rd.kind != "max"]))
+            if name in scan:
                 continue
             loops = [s for s in range(g, 1, -1) if g % s == 0
                      and (mode == "1" or blocks * math.prod(region.batch) // s >= MIN_PROGRAMS)]
