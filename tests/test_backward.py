@@ -180,6 +180,44 @@ def test_two_kernel_backward_stores_what_one_program_owns():
     check_grads(gqa.attention, inputs)
 
 
+def _causal_bucket_table(q, k, v, table):
+    """Causal, a learned bias per head at the distance m - n clipped to [0, 19]: the tiles far
+    below the diagonal read one bucket."""
+    m = torch.arange(q.shape[-2])[:, None]
+    n = torch.arange(k.shape[-2])[None, :]
+    s = q @ k.mT * q.shape[-1] ** -0.5 + table[:, torch.clamp(m - n, 0, 19)]
+    return torch.softmax(s.masked_fill(n > m, float("-inf")), -1) @ v
+
+
+def _doc_table(q, k, v, table, doc):
+    """A learned bias per (head, key document), read through loaded ids: not bounded per tile."""
+    return torch.softmax(q @ k.mT * q.shape[-1] ** -0.5 + table[:, doc][:, None, :], -1) @ v
+
+
+@pytest.mark.parametrize("case", ["relative_position", "causal_bucket", "doc_table"])
+def test_gathered_table_adds_a_uniform_tile_once(case):
+    """A table gathered at a computed index gets its gradient by atomic adds per score; where the
+    index, bounded over the tile (``IntervalWriter``), is one bucket, the tile adds its sum once
+    (``gradients.uniform_add``). T5's clipped relative positions and a clipped causal distance
+    take that branch (M = 150: most tiles read one clipped bucket, the others several, the last
+    block ragged); an index through loaded ids cannot be bounded and keeps the per-score adds.
+    Gradients of every input against float64 either way."""
+    torch.manual_seed(0)
+    if case == "relative_position":
+        fn, inputs = VARIANTS[case].attention, list(VARIANTS[case].make_inputs(B=1, H=2, M=150, D=16))
+    else:
+        q, k, v = (torch.randn(1, 2, 150, 16) for _ in range(3))
+        fn, inputs = ((_causal_bucket_table, [q, k, v, torch.randn(2, 20)]) if case == "causal_bucket" else
+                      (_doc_table, [q, k, v, torch.randn(2, 6), torch.randint(0, 6, (150,)).sort().values]))
+    src = _kernels(flashlight.explain(fn, *inputs).regions[0].backward_source)["dkdv"]
+    torch.compiler.reset()
+    branches = src.count("if (")        # one per tile loop (the masked and the mask-free blocks)
+    assert branches == (0 if case == "doc_table" else src.count("tm_lo = start_m"))
+    assert case == "doc_table" or branches > 0
+    assert "atomic_add" in src
+    check_grads(fn, inputs)
+
+
 PB, PN, PH, PD = 1, 21, 2, 16      # the packed projections' batch, length, heads, head dim
 
 

@@ -552,11 +552,29 @@ class DKDVWriter(TileWriter):
         self.row_values(loop)
         adjoints, operands = self.tile_adjoints(loop, full)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
-        scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored, "mask_mn")  # (reductions read: constant shifts)
+        scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored, "mask_mn",  # (reductions read: constant shifts)
+                index_bounds=lambda x: self.index_bounds(x, loop))
         self.score_grads(loop, adjoints, operands)
         if self.plan.fused_dq:
             self.add_dq(loop, adjoints, operands)
         return loop.lines
+
+    def index_bounds(self, x: Expr, loop: Block) -> list[tuple[str, str]] | None:
+        """Scalar (lo, hi) code per index dim of load ``x`` over this query block's tile (rows
+        [start_m, its last], the program's key block), by ``IntervalWriter``; lines added to
+        ``loop``. None where a dim reads more than positions and batch indices or cannot be
+        bounded without block statistics (an index through loaded ids)."""
+        if any(free_vars(ie) - {"m", "n", *self.r.batch_vars} for ie in x.args[1]):
+            return None
+        lines, stats = [], []
+        iw = IntervalWriter(self.r, stats, lines, self.em.fresh, names={"m": ("tm_lo", "tm_hi"), "n": ("n_lo", "n_hi")})
+        bounds = [iw.interval(ie) for ie in x.args[1]]
+        if stats or any(b is None for b in bounds):
+            return None
+        if "tm_lo = start_m" not in loop.lines:
+            loop.lines += ["tm_lo = start_m", "tm_hi = tl.minimum(start_m + BLOCK_M, M) - 1"]
+        loop.lines += lines
+        return bounds
 
     def add_dq(self, loop: Block, adjoints: dict[Expr, Expr], operands: dict[int, tuple]) -> None:
         """The fused dQ (``GradPlan.fused_dq``): this tile's dQ_i = dS_i K_i ([M, DK], from the

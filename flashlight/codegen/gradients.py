@@ -296,6 +296,30 @@ def in_bounds(ctx: Ctx) -> str | None:
     return " & ".join(masks) or None
 
 
+def gathered(x: Expr) -> bool:
+    """Does load ``x`` read its tensor through a computed index (a table at a bucket of the
+    position, a per-document bias at the document id): an index not linear in its vars?"""
+    return any(_linear(ie) is None for ie in x.args[1])
+
+
+def uniform_add(x: Expr, val: str, ptr: str, mask: str, bounds: list[tuple[str, str]]) -> list[str]:
+    """Lines that add a tile's adjoint ``val`` into the gathered gradient of load ``x`` (at
+    ``ptr``; ``mask``: the in-range elements, where ``val`` is not already 0 outside them):
+    one add of the tile's sum where the index, bounded over the tile (``bounds``: each dim's
+    (lo, hi) scalars, ``TileWriter.index_bounds``), takes one value, else one add per element.
+    Per element, many adds meet at an address (T5's relative-position table: 65 buckets a
+    head, nearly every score in the two clipped ones) and queue in L2; a tile away from the
+    diagonal takes one add instead of BLOCK_M x BLOCK_N."""
+    i = x.args[0]
+    one = " & ".join(f"({lo} == {hi})" for lo, hi in bounds if lo != hi) or "True"
+    at = " + ".join([f"g{i}_ptr"] + [f"{lo} * g{i}_s{d}" for d, (lo, _) in enumerate(bounds) if lo != "0"])
+    part = f"tl.where({mask}, {val}, 0.0)" if mask else val
+    return [f"if {one}:",
+            "    " + atomic_add(at, f"tl.sum(tl.sum({part}, 1), 0)"),
+            "else:",
+            "    " + atomic_add(ptr, val, f", mask={mask}" if mask else "")]
+
+
 def atomic_add(ptr: str, val: str, mask: str = "") -> str:
     """An fp32 accumulation into a gradient (``mask``: "" or ", mask=..."). Relaxed: the adds
     order nothing (the gradient is read after the kernel), and Triton's default, acq_rel, puts
@@ -305,14 +329,15 @@ def atomic_add(ptr: str, val: str, mask: str = "") -> str:
 
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
             stored: frozenset[int] = frozenset(), tile_mask: str | None = None,
-            sum_mask: str | None = None) -> None:
+            sum_mask: str | None = None, index_bounds=None) -> None:
     """Write every load's adjoint at the load's address in its gradient tensor ``g{i}``, first
     summed over the tile axes its index does not use (broadcast dims): ``tl.store`` in the
     gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32. ``tile_mask``:
     the tile's in-range elements; the others are zeroed before the sums (a padded row's
     adjoint can be 0 * inf, e.g. through an epilogue's division by a dv-sum that is 0 there).
     ``sum_mask``: the same, applied only where there is a sum (elsewhere the write's own mask
-    already skips them)."""
+    already skips them). ``index_bounds(x)``: a gathered load's index bounded over the tile
+    (``uniform_add``), or None where it cannot be."""
     rows, cols, shape = TILE[ctx.name]
     for x, g in adjoints.items():
         if x.op != "load":
@@ -329,8 +354,9 @@ def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
         elif cols not in used:
             val = f"tl.sum({val}, 1, keep_dims=True)"
         ptr, mask = em.address(x, ctx, block, "g")
-        mask = f", mask={mask}" if mask else ""
         if x.args[0] in stored:
-            block.lines.append(f"tl.store({ptr}, {val}.to(g{x.args[0]}_ptr.dtype.element_ty){mask})")
+            block.lines.append(f"tl.store({ptr}, {val}.to(g{x.args[0]}_ptr.dtype.element_ty){', mask=' + mask if mask else ''})")
+        elif index_bounds and gathered(x) and used & {rows, cols} and (iv := index_bounds(x)) is not None:
+            block.lines += uniform_add(x, val, ptr, "" if zero else mask, iv)
         else:
-            block.lines.append(atomic_add(ptr, val, mask))
+            block.lines.append(atomic_add(ptr, val, f", mask={mask}" if mask else ""))

@@ -151,13 +151,15 @@ class IntervalWriter:
     """Emits scalar Triton code for the interval of an expression over one (M, N) block."""
 
     def __init__(self, region: Region, stats: list[BlockStat], lines: list[str], fresh, vector: str = "n",
-                 arange=lambda n: f"tl.arange(0, {n})"):
+                 arange=lambda n: f"tl.arange(0, {n})", names: dict[str, tuple[str, str]] | None = None):
         """``vector``: the var whose blocks the code scans as a vector (the forward and dQ: key
         blocks ``blk``; dK/dV: query blocks ``pid_m``); the other var's block is a scalar.
         ``arange(n)``: the code of a range over a block's statistics entries (along axis 1 of
-        the scanned blocks; a Gluon kernel gives it a layout)."""
+        the scanned blocks; a Gluon kernel gives it a layout). ``names``: the code's names of
+        the block's bounds per var (default ``m_lo``, ``m_hi``, ``n_lo``, ``n_hi``)."""
         self.r, self.stats, self.lines, self.fresh = region, stats, lines, fresh
         self.vector, self.arange = vector, arange
+        self.names = names or {v: (f"{v}_lo", f"{v}_hi") for v in ("m", "n")}
         self.memo: dict[Expr, tuple[str, str] | None] = {}
 
     def live(self, dead: Expr) -> str:
@@ -219,8 +221,7 @@ class IntervalWriter:
     def _interval(self, e: Expr):
         op, a = e.op, e.args
         if op == "var":
-            name = a[0]
-            return (f"{name}_lo", f"{name}_hi") if name in ("m", "n") else (name, name)
+            return self.names.get(a[0], (a[0], a[0]))
         if op == "const":
             if e.kind == "b" or (isinstance(a[0], float) and not math.isfinite(a[0])):
                 return None
@@ -266,7 +267,14 @@ class IntervalWriter:
                     self._let(f"tl.maximum(-{lo}, {hi})"))
         if op == "where":
             (alo, ahi), (blo, bhi) = args
-            return self._let(f"tl.minimum({alo}, {blo})"), self._let(f"tl.maximum({ahi}, {bhi})")
+            lo, hi = self._let(f"tl.minimum({alo}, {blo})"), self._let(f"tl.maximum({ahi}, {bhi})")
+            may_t, may_f = self.truth(a[0])
+            if (may_t, may_f) == ("True", "True"):
+                return lo, hi
+            # a condition decided on the whole block picks its branch's interval (a negative
+            # index wrapped by torch's indexing, where(i < 0, i + size, i), for i >= 0)
+            return (self._let(f"tl.where({may_f}, tl.where({may_t}, {lo}, {blo}), {alo})"),
+                    self._let(f"tl.where({may_f}, tl.where({may_t}, {hi}, {bhi}), {ahi})"))
         return None
 
     def _load(self, e: Expr):
