@@ -1,3 +1,8 @@
+# Session 26's plan (session 25: docs/notes.md "Session 25"; its R2 timed out, R3 never ran): prepare .s25
+#   (see R3), then run(command="bash scripts/device_next.sh R3", carry=[".s25"]) (~2 min: T5's table
+#   gradient, uniform tiles against per-score adds), then R2 (now per variant at N=1024; carry .s24
+#   too, or drop its .s24 half), then F and TR (TR now has SDPA's columns), then the GPU tests in full.
+# Session 25 ran F, TR, the GPU tests (50 passed, 1 failed: the misaligned-view test, fixed), R1, R2.
 # Session 25's plan (session 24 ran eight calls, all on H100s; docs/notes.md "Session 24"): ask for the
 #   H200 (kind="nvidia-h200"); whatever comes, run F (the flex suite, ~220 s; the first-call misses at
 #   1x16384 D=128 should be gone: the quick start per scan bucket), then TR with LIMIT=250 (now with the
@@ -89,6 +94,49 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+R3)  # session 25 (not run: the machine was taken back): T5's relative-position table gradient, one add per
+    # tile where the tile reads one bucket (gradients.uniform_add, 696cd03), against 4e92c47 (.s25: one
+    # relaxed add per score). Prepare: git archive 4e92c47 | (mkdir -p .s25 && tar -x -C .s25)
+  for tree in . .s25; do
+    name=relpos_$([ $tree = . ] && echo uniform || echo per_score_4e92c47)
+    (cd $tree && OUT=$OUT/$name timeout -k 5 70 python3 -m benchmarks.backward --n 1024 --b 4 \
+      --variants relative_position > $OUT/$name.txt 2>&1)
+    echo "$name rc $?"; grep -v "^backward:" $OUT/$name.txt | cut -c1-150
+  done
+  ;;
+R2)  # session 25, after R1: the training steps whose backward adds into shared gradients (a learned
+    # table, Evoformer's biases, sinks, IPA's terms, DiffAttn's lambda) here and at 97af4d5 (.s24: acq_rel).
+    # Session 25's first form (all five variants in one process, B=4 N=4096, 150 s per tree) printed
+    # nothing in 150 s in either tree: relative_position was first, and its table gradient is one atomic
+    # add per score into 65 buckets per head (nearly all into the two clipped ends). Now each variant
+    # alone, N=1024, its own timeout.
+  for v in sinks diff_attention evoformer relative_position ipa; do
+    for tree in . .s24; do
+      name=atomics_$([ $tree = . ] && echo relaxed || echo acq_rel_97af4d5)_$v
+      (cd $tree && OUT=$OUT/$name timeout -k 5 45 python3 -m benchmarks.backward --n 1024 \
+        --variants $v --inductor > $OUT/$name.txt 2>&1)
+      echo "$name rc $?"; grep -v "^backward:" $OUT/$name.txt | cut -c1-150
+    done
+  done
+  ;;
+R1)  # session 25: relaxed atomics (sem="relaxed": acq_rel fenced each add, MEMBAR.ALL.GPU + CCTL.IVALL in
+    # the SASS). The GPU tests they reach and the fixed misaligned-view test; the training steps with
+    # dQ added by the dK/dV kernel (B: FLASHLIGHT_ATOMIC_DQ=1) against the two kernels, SDPA beside them;
+    # GQA's atomics path (FLASHLIGHT_GROUP_LOOP=0) here and at 97af4d5 (.s24 carried: acq_rel)
+  timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+    -k "misaligned or fused_dq or group_loop or gqa" > $OUT/test_gpu_r1.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/test_gpu_r1.txt | cut -c1-160
+  timeout -k 10 200 python3 -m benchmarks.run --suite training --only causal,alibi,document_12,gqa_4 \
+    --backends flashlight,sdpa_cudnn,sdpa_flash --b-env FLASHLIGHT_ATOMIC_DQ=1 --no-plots --time-limit 180 \
+    --out $OUT/fused_dq > $OUT/fused_dq.txt 2>&1
+  echo "fused_dq rc $?"; tail -9 $OUT/fused_dq.txt | cut -c1-170
+  for tree in . .s24; do
+    (cd $tree && FLASHLIGHT_GROUP_LOOP=0 timeout -k 10 70 python3 -m benchmarks.run --suite training --only gqa_4 \
+      --backends flashlight --b-env FLASHLIGHT_GROUP_LOOP=auto --no-plots --time-limit 55 \
+      --out $OUT/gqa_atomics_${tree#.} > $OUT/gqa_atomics_${tree#.}.txt 2>&1)
+    echo "gqa atomics at ${tree} rc $?"; tail -2 $OUT/gqa_atomics_${tree#.}.txt | cut -c1-170
+  done
+  ;;
 W3)  # session 23: where the document mask's first call goes at D=128 (#6's two misses, 10-24 ms) against
     # causal's and Flex's, phase timers (never run on a GPU); DiffAttn's forward against Inductor's
   timeout -k 10 170 python3 -m benchmarks.first_call --variants document_12,causal --d 128 --systems flashlight,flex \
@@ -243,8 +291,8 @@ G2)  # session 24, after G1: the Triton dK/dV kernel's group loop flattened into
     --out $OUT/g2_triton > $OUT/g2_triton.txt 2>&1
   echo "g2_triton rc $?"; tail -4 $OUT/g2_triton.txt | cut -c1-170
   ;;
-TR)  # issue #5's training table, starting no case after $LIMIT seconds
-  timeout -k 10 $((LIMIT + 20)) python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor \
+TR)  # issue #5's training table, starting no case after $LIMIT seconds (SDPA where it expresses the row)
+  timeout -k 10 $((LIMIT + 20)) python3 -m benchmarks.run --suite training --backends flashlight,flex,inductor,sdpa_cudnn,sdpa_flash \
     --no-plots --time-limit $LIMIT --out $OUT/training > $OUT/training.txt 2>&1
   echo "training rc $?"; tail -17 $OUT/training.txt | cut -c1-170
   ;;
