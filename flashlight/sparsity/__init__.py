@@ -267,12 +267,14 @@ class IntervalWriter:
                     self._let(f"tl.maximum(-{lo}, {hi})"))
         if op == "where":
             (alo, ahi), (blo, bhi) = args
-            lo, hi = self._let(f"tl.minimum({alo}, {blo})"), self._let(f"tl.maximum({ahi}, {bhi})")
-            may_t, may_f = self.truth(a[0])
-            if (may_t, may_f) == ("True", "True"):
-                return lo, hi
             # a condition decided on the whole block picks its branch's interval (a negative
             # index wrapped by torch's indexing, where(i < 0, i + size, i), for i >= 0)
+            may_t, may_f = self.truth(a[0])
+            if may_f == "False" or may_t == "False":
+                return (alo, ahi) if may_f == "False" else (blo, bhi)
+            lo, hi = self._let(f"tl.minimum({alo}, {blo})"), self._let(f"tl.maximum({ahi}, {bhi})")
+            if (may_t, may_f) == ("True", "True"):
+                return lo, hi
             return (self._let(f"tl.where({may_f}, tl.where({may_t}, {lo}, {blo}), {alo})"),
                     self._let(f"tl.where({may_f}, tl.where({may_t}, {hi}, {bhi}), {ahi})"))
         return None
