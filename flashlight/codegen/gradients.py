@@ -317,14 +317,15 @@ def uniform_add(x: Expr, val: str, ptr: str, mask: str, bounds: list[tuple[str, 
     return [f"if {one}:",
             "    " + atomic_add(at, f"tl.sum(tl.sum({part}, 1), 0)"),
             "else:",
-            "    " + atomic_add(ptr, val, f", mask={mask}" if mask else "")]
+            "    " + atomic_add(ptr, val, mask)]
 
 
 def atomic_add(ptr: str, val: str, mask: str = "") -> str:
-    """An fp32 accumulation into a gradient (``mask``: "" or ", mask=..."). Relaxed: the adds
-    order nothing (the gradient is read after the kernel), and Triton's default, acq_rel, puts
-    a fence around each one (PyTorch's Inductor made its own relaxed in pytorch#129133)."""
-    return f"tl.atomic_add({ptr}, {val}{mask}, sem=\"relaxed\")"
+    """An fp32 accumulation into a gradient (``mask``: the elements to add, "" for all).
+    Relaxed: the adds order nothing (the gradient is read after the kernel), and Triton's
+    default, acq_rel, puts a fence around each one (PyTorch's Inductor made its own relaxed in
+    pytorch#129133)."""
+    return f"tl.atomic_add({ptr}, {val}{f', mask={mask}' if mask else ''}, sem=\"relaxed\")"
 
 
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
@@ -359,4 +360,4 @@ def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
         elif index_bounds and gathered(x) and used & {rows, cols} and (iv := index_bounds(x)) is not None:
             block.lines += uniform_add(x, val, ptr, "" if zero else mask, iv)
         else:
-            block.lines.append(atomic_add(ptr, val, f", mask={mask}" if mask else ""))
+            block.lines.append(atomic_add(ptr, val, mask))

@@ -41,7 +41,7 @@ class QuickStart:
         this kernel has no scan, and one compile then serves every length."""
         tma = descriptors.flag(self.tma, inputs)
         args = op.kernel_args(r, self.stats, inputs, outs, rowstats)
-        meta = {**op.launch_meta(r, cfg, stats, tma), "SCAN_BLOCKS": 1}
+        meta = op.launch_meta(r, cfg, stats, tma, scan=False)
         op.launch_kernel(self.kernel, grid, args, meta, inputs[0].device if tma else None)
 
 
