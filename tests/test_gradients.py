@@ -142,3 +142,53 @@ def test_auto_keeps_enough_programs():
     assert {1, 2} <= gradients.grad_plan(gqa_region((4, 16), 4096)).stored
     assert not {1, 2} & gradients.grad_plan(gqa_region((4, 16), 1024)).stored
 
+
+
+def _points(q, k, v, bias, a, b, temp, oracle=False):
+    """A full [B, H, M, N] bias, squared distances between a query's and a key's 3-D points
+    (far from the origin: coordinates ~30, differences ~1) times a per-head temperature, a
+    causal mask with fully masked rows (``oracle``: they output 0, as flashlight's do)."""
+    d2 = ((a[:, :, :, None] - b[:, :, None]) ** 2).sum(-1)
+    s = q @ k.mT * D ** -0.5 + bias - temp[:, None, None] * d2
+    s = s.masked_fill(~_keep(q.shape[2], k.shape[2]), float("-inf"))
+    if not oracle:
+        return torch.softmax(s, -1) @ v
+    live = _keep(q.shape[2], k.shape[2]).any(-1, keepdim=True)
+    return (torch.softmax(s.masked_fill(~live, 0.0), -1) * live) @ v
+
+
+def test_body_gradients_are_summed_across_the_loop_and_stored(fresh):
+    """Where a body load's index misses a tile axis its gradient is summed in registers across
+    the loop and written once (``GradPlan.carried``): the key points by the dK/dV kernel
+    (stored), the query points by the dQ kernel (stored), the temperature per head (one add per
+    dK/dV program). The full-rank bias is stored per tile into zeros (the causal mask skips
+    tiles). The points' sums are factored (``factored_sum``): a_m sum_n G - sum_n G b_n, with
+    coordinates 30 times their differences. All match float64."""
+    torch.manual_seed(0)
+    a = 30 + torch.randn(B, H, M, 3)
+    inputs = (torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.randn(B, H, M, N),
+              a, a[:, :, torch.arange(N) % M] + torch.randn(B, H, N, 3), torch.rand(H) * 0.1)
+    check_grads(_points, inputs, ref_fn=lambda *x: _points(*x, oracle=True))
+    (c,) = [c for c in REGISTRY.values() if c.bwd_kernel is not None]
+    plan, r = c.bwd_kernel.plan, c.region
+    carried = {x.args[0]: where for x, where in plan.carried.items()}
+    by_shape = {tuple(x.shape): i for i, x in enumerate(r.inputs)}       # the four shapes differ
+    bias, qpts, kpts, temp = (by_shape[tuple(x.shape)] for x in inputs[3:])
+    assert carried == {qpts: "dq", kpts: "dkdv", temp: "dkdv"}
+    assert {bias, qpts, kpts} <= plan.stored and plan.zeroed == {bias}
+    dkdv, dq = c.bwd_source.split("_dq(")[0], c.bwd_source.split("_dq(")[1].split("_rows(")[0]
+    assert dkdv.count("atomic_add") == 1 and "atomic_add" not in dq      # the temperature's, after the loop
+    assert "fs" in dkdv and "fs" in dq
+
+
+def test_terms_take_out_what_a_sum_does_not_vary_along():
+    """``terms``: G (a_m - b_n) + G (a_m - b_n) over n is 2 G a_m - 2 G b_n; a sum whose parts
+    both vary along n (G + G') stays one factor."""
+    from flashlight.ir import call, load, var
+    from flashlight.ir.derivative import tile
+    g, g2 = tile("db1"), tile("db2")
+    a, b = load(0, (var("b0"), var("m")), "f"), load(1, (var("b0"), var("n")), "f")
+    t = call("sub", a, b)
+    got = {(c, frozenset(fs)) for c, fs in gradients.terms(g * t + g * t, {"n"})}
+    assert got == {(2.0, frozenset({g, a})), (-2.0, frozenset({g, b}))}
+    assert gradients.terms((g + g2) * a, {"n"}) == [(1.0, (g + g2, a))]

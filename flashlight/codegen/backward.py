@@ -35,7 +35,7 @@ from ..ir.expr import BINDS, children
 from ..ir.region import from_output, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
-from .gradients import GradPlan, extra_seeds, grad_plan, in_bounds, per_head, scatter
+from .gradients import GradPlan, carry_init, extra_seeds, flush, grad_plan, in_bounds, per_head, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
                      batch_index, block_loops, dk_chunks, dv_state, full_tile, group_member, key_block, operand_dtype,
                      out_offsets, piece_ctx, piece_suffix, segment_bounds, short_expr)
@@ -345,6 +345,14 @@ class TileWriter(KernelWriter):
         self.accs: dict[str, dict[Expr, list[str]]] = {}
         self.folded: dict[str, dict[Expr, float]] = {}  # "dq"/"dk" -> operand expression -> scale (folded_scales)
         self.piece_cache: dict[str, list | None] = {}
+        # the body loads whose gradient this kernel sums across its loop (``GradPlan.carried``)
+        kernel = "dkdv" if "dk" in self.kinds else "dq"
+        self.carried = {x: f"gc{c}" for c, x in enumerate(x for x, k in plan.carried.items() if k == kernel)}
+
+    def carry(self, loop: Block, adjoints: dict[Expr, Expr]) -> None:
+        """This tile's part of each carried gradient, into its register."""
+        mine = {x: adjoints[x] for x in self.carried if x in adjoints}
+        scatter(self.em, mine, self.ctx_s, loop, self.plan.stored, "mask_mn", carried=self.carried)
 
     def pieces(self, kind: str) -> list[tuple[int, int]] | None:
         """The head-dim pieces of accumulator ``kind`` (dq / dk: DK; dv: DV), or None for one
@@ -552,8 +560,10 @@ class DKDVWriter(TileWriter):
         self.row_values(loop)
         adjoints, operands = self.tile_adjoints(loop, full)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
-        scatter(self.em, adjoints, self.ctx_s, loop, self.plan.stored, "mask_mn",  # (reductions read: constant shifts)
+        per_tile = {x: g for x, g in adjoints.items() if x not in self.plan.carried}
+        scatter(self.em, per_tile, self.ctx_s, loop, self.plan.stored, "mask_mn",  # (reductions read: constant shifts)
                 index_bounds=lambda x: self.index_bounds(x, loop))
+        self.carry(loop, adjoints)
         self.score_grads(loop, adjoints, operands)
         if self.plan.fused_dq:
             self.add_dq(loop, adjoints, operands)
@@ -676,8 +686,10 @@ class DKDVWriter(TileWriter):
             "blk_valid = n_lo < N",
         ]
         self.accumulators()
+        self.outer.lines += carry_init(self.carried, self.ctx_s)
         self.outer.lines += self.query_loop()
         self.outer.lines.append("# gradients of the K and V operands, accumulated over all query blocks")
+        flush(self.em, self.carried, self.ctx_s, self.outer, self.plan.stored)
         self.write_grads("dk", CTX_KN)
         self.write_grads("dv", CTX_V)
         return self.assemble()
@@ -687,7 +699,8 @@ class DQWriter(TileWriter):
     """FA2's second backward kernel: one program per (query block, batch index) loops over the
     live key blocks exactly as the forward does (``KernelWriter.segments``: a mask-free middle
     and one loop over the masked head and tail) and accumulates dQ = sum_n dS K in registers,
-    written once at the end — no atomics across key blocks. It writes no other gradient (the dK/dV kernel owns them)."""
+    written once at the end — no atomics across key blocks — and likewise the gradients of the
+    body loads read per query (``GradPlan.carried``); the dK/dV kernel owns the others."""
     axis, kinds = "n", ("dq",)
 
     def signature(self) -> list[str]:
@@ -698,16 +711,19 @@ class DQWriter(TileWriter):
     def key_block_grads(self, loop: Block, full: bool) -> None:
         key_block(loop, full)
         adjoints, operands = self.tile_adjoints(loop, full)
-        loop.lines.append("# reverse through the bodies: dS -> dQ")
+        loop.lines.append(f"# reverse through the bodies: {'per-query loads, ' if self.carried else ''}dS -> dQ")
+        self.carry(loop, adjoints)
         self.score_grads(loop, adjoints, operands)
 
     def write(self) -> str:
         self.prologue()
         self.row_values(self.outer)
         self.accumulators()
+        self.outer.lines += carry_init(self.carried, self.ctx_s)
         members = self.r.passes()[0]
         self.outer.lines += self.key_loops(members, self.key_block_grads)
         self.outer.lines.append("# gradients of the Q operands, accumulated over all key blocks")
+        flush(self.em, self.carried, self.ctx_s, self.outer, self.plan.stored)
         self.write_grads("dq", CTX_Q)
         return self.assemble()
 

@@ -362,6 +362,27 @@ class Emitter:
             self._emit_one(x, ctx, block)
         return self._lookup(e, ctx, block)
 
+    def emit_reloaded(self, e: Expr, ctx: Ctx, block: Block) -> str:
+        """``emit``, loading again the loads ``e`` reads inside the loop rather than reusing the
+        tiles loaded for the score: a value used both in the recomputed score
+        and long after it (a query's coordinate in IPA's dK/dV kernel: [1, BLOCK_M] in the MMA
+        layout, 16 registers a thread each) is dead in between, and a second load hits L1."""
+        def again(key) -> bool:       # a load inside the loop, or its conversion
+            x = key[-1]
+            x = x.args[0] if isinstance(x, Expr) and x.op in ("to_f", "to_i") else x
+            return isinstance(x, Expr) and x.op == "load" and self.variant(x)
+        hidden = []
+        b = block
+        while b is not None:
+            keys = [k for k in b.names if again(k)]
+            hidden.append((b, {k: b.names.pop(k) for k in keys}))
+            b = b.parent
+        try:
+            return self.emit(e, ctx, block)
+        finally:
+            for b, names in hidden:
+                b.names.update(names)
+
     def _key(self, x: Expr, ctx: Ctx):
         inner = {v for v in free_vars(x) if not v.startswith("b")}
         return (ctx.name if inner or refs(x, "dot") or refs(x, "red") else None, x)

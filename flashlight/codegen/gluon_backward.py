@@ -84,8 +84,8 @@ def tiles_support(region: Region, plan: GradPlan | None = None) -> str:
     if not bulk_operand(region.dots[0].q, "m", "dk"):
         return "Q is not read as whole rows"
     plan = plan or grad_plan(region)
-    if any(s.kernel == "dkdv" and not s.once for s in plan.sites):
-        return "loads in the score program take gradients (scattered per tile)"
+    if any(s.body for s in plan.sites):
+        return "loads in the score program take gradients (per tile, or summed across the loop)"
     if 2 not in plan.members or plan.dots != [0] or not plan.accs["dk"]:
         return "no gradient reaches the score tile (softmax(floor(s)) @ v)"
     dg = dot_grads(region, interpret=False)

@@ -20,6 +20,8 @@ visits part of the group and adds it with atomics, or the whole group is left to
 """
 from __future__ import annotations
 
+import collections
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -43,6 +45,13 @@ class Site:
     ctx: str            # the tile context of the scatter (see codegen.kernel.TILE)
     kernel: str         # "rows", "dkdv" or "dq"
     once: bool          # written once per program (after the loop), not per tile
+    body: bool = False  # a load of a reduction body (a bias, a table, points), not a Q/K/V operand
+
+    @property
+    def writers(self) -> tuple[str, ...]:
+        """The tile axes that tell the site's writes apart: the program's, for a site written
+        once per program; both, for one written per tile (each tile is visited once)."""
+        return (PROGRAM_AXIS[self.ctx],) if self.once else ("m", "n")
 
 
 class Group(NamedTuple):
@@ -69,7 +78,11 @@ class GradPlan:
         dots: score tiles that some member body reads (recomputed per tile).
         accs: ``"dq"``/``"dk"``/``"dv"`` -> the Q / K / V operand expressions whose gradients
             accumulate in registers (one accumulator per distinct expression).
-        sites: every gradient write; ``stored``: inputs written by ``tl.store`` (see module doc).
+        sites: every gradient write; ``stored``: inputs written by ``tl.store`` (see module doc);
+            ``zeroed``: stored inputs written per tile, which start as zeros (the tiles the
+            sparsity scan skips write nothing).
+        carried: the body loads whose gradient a kernel (``"dkdv"``, ``"dq"``) sums across its
+            loop and writes once (``carried``), not per tile.
         fused_dq: the dK/dV kernel also adds each tile's dS K into dQ with fp32 atomics (cuDNN's
             and FA3's backward), so S, P and dP are computed once per tile, not again by a dQ
             kernel; the Q operands' gradients are then per-tile sites of the dK/dV kernel.
@@ -79,6 +92,8 @@ class GradPlan:
     accs: dict[str, list[Expr]]
     sites: list[Site] = field(default_factory=list)
     stored: frozenset[int] = frozenset()
+    zeroed: frozenset[int] = frozenset()
+    carried: dict[Expr, str] = field(default_factory=dict)
     fused_dq: bool = False      # dQ added by the dK/dV kernel per tile (fp32 atomics): no dQ kernel
     group: Group | None = None
 
@@ -176,7 +191,13 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
     plan = GradPlan(members, dots, accs, fused_dq=fused_dq, group=group_loop(region, accs, group))
     plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
     plan.sites += [Site(x.args[0], x, "row", "rows", True) for x in loads(vjp(extra_seeds(region, members)))]
-    plan.sites += [Site(x.args[0], x, "s", "dkdv", False) for x in loads(body_adj)]
+    for x in loads(body_adj):
+        kernel = summing_kernel(region, x, fused_dq, plan.group)
+        if kernel is None:
+            plan.sites.append(Site(x.args[0], x, "s", "dkdv", False, body=True))
+        else:
+            plan.carried[x] = kernel
+            plan.sites.append(Site(x.args[0], x, "kn" if kernel == "dkdv" else "q", kernel, True, body=True))
     dq_site = ("dkdv", False) if fused_dq else ("dq", True)
     for kind, ctx, (kernel, once) in (("dk", "k", ("dkdv", True)), ("dv", "v", ("dkdv", True)), ("dq", "q", dq_site)):
         for e in accs[kind]:
@@ -184,10 +205,30 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
     by_input: dict[int, list[Site]] = {}
     for s in plan.sites:
         by_input.setdefault(s.input, []).append(s)
-    plan.stored = frozenset(i for i, ss in by_input.items() if all(s.once for s in ss)
-                            and partition([owned(s.load, s.ctx, region, plan.group if s.kernel == "dkdv" else None)
-                                           for s in ss], region.inputs[i].shape))
+    # a per-tile site's tile is visited once whatever the group loop: its head is in the index
+    group = {s: plan.group if s.kernel == "dkdv" and s.once else None for s in plan.sites}
+    plan.stored = frozenset(i for i, ss in by_input.items() if partition(
+        [owned(s.load, s.writers, region, group[s]) for s in ss], region.inputs[i].shape))
+    plan.zeroed = frozenset(i for i in plan.stored if any(not s.once for s in by_input[i]))
     return plan
+
+
+def summing_kernel(region: Region, x: Expr, fused_dq: bool, group: Group | None) -> str | None:
+    """The kernel that sums body load ``x``'s adjoint across its loop and writes it once, where
+    its index misses one of the tile's axes: per key (IPA's key points, a key padding bias), the
+    dK/dV kernel, whose program owns the key block; per query, the dQ kernel (none with
+    ``fused_dq``); per head (IPA's γ, a temperature), the dK/dV kernel — unless a group loop
+    changes the head inside the loop. None: read per score, written per tile (a pair bias, a
+    gathered table). Per tile, each such site was a tile sum and an atomic add per row or
+    column (IPA: 24 a tile, into addresses every key block's program shares)."""
+    used = _used(x)
+    if {"m", "n"} <= used:
+        return None
+    if "m" in used:
+        return None if fused_dq else "dq"
+    if group is not None and any(per_head(ie, region.batch_vars[group.dim], group.size) for ie in x.args[1]):
+        return None
+    return "dkdv"
 
 
 Box = tuple[range | frozenset, ...]       # per dim of a tensor, the indices a site writes
@@ -239,18 +280,19 @@ def _indices(terms: list[tuple[int, int]], start: int) -> range | frozenset | No
     return frozenset(values)
 
 
-def owned(x: Expr, ctx: str, region: Region, group: Group | None = None) -> Box | None:
+def owned(x: Expr, axes: tuple[str, ...], region: Region, group: Group | None = None) -> Box | None:
     """The indices of load ``x``'s tensor that the kernel's programs write, each program its own
     part of them, or None where programs may share an address. Each dim's index is a constant
     plus vars, each value reached once (``_indices``: a slice, a dim read at one place, a packed
     qkv's ``h·D + dk + 2·H·D``, the DIFF Transformer's heads ``2h·d + dk`` and ``(2h + 1)·d +
-    dk``), no var in two dims, inside the dim; the vars include every batch var and the
-    program's tile axis (no GQA sharing, no broadcast over a grid axis, no gather). Under a
+    dk``), no var in two dims, inside the dim; the vars include every batch var and the tile
+    ``axes`` that tell the writers apart (``Site.writers``: no GQA sharing, no broadcast over
+    a grid axis, no gather). Under a
     group loop a program visits ``group.size`` indices b of one batch dim: its grid var is
     b // size, and an address reached as b // size is that program's."""
     extent = {"m": region.M, "n": region.N, "dk": region.DK, "dv": region.DV,
               **dict(zip(region.batch_vars, region.batch))}
-    grid = [*region.batch_vars, PROGRAM_AXIS[ctx]]
+    grid = [*region.batch_vars, *axes]
     index = x.args[1]
     if group is not None:
         name = region.batch_vars[group.dim]
@@ -328,35 +370,158 @@ def atomic_add(ptr: str, val: str, mask: str = "") -> str:
     return f"tl.atomic_add({ptr}, {val}{f', mask={mask}' if mask else ''}, sem=\"relaxed\")"
 
 
+def write(x: Expr, ptr: str, val: str, mask: str, stored: frozenset[int]) -> str:
+    """The line that writes ``val`` into load ``x``'s gradient: ``tl.store`` in the gradient's
+    dtype for a ``stored`` input, else an fp32 ``atomic_add``."""
+    i = x.args[0]
+    if i in stored:
+        return f"tl.store({ptr}, {val}.to(g{i}_ptr.dtype.element_ty){', mask=' + mask if mask else ''})"
+    return atomic_add(ptr, val, mask)
+
+
+def _used(x: Expr) -> set[str]:
+    return set().union(*(free_vars(i) for i in x.args[1]))
+
+
+def carry_init(carried: dict[Expr, str], ctx: Ctx) -> list[str]:
+    """Zeros for each carried load's sum (``carried``: load -> register name): the tile
+    ``ctx``'s shape, 1 along each axis its index does not use."""
+    rows, cols, shape = TILE[ctx.name]
+    r, c = shape.strip("[]").split(", ")
+    return [f"{acc} = tl.zeros([{r if rows in _used(x) else 1}, {c if cols in _used(x) else 1}], dtype=tl.float32)"
+            for x, acc in carried.items()]
+
+
+def flush(em: Emitter, carried: dict[Expr, str], ctx: Ctx, block: Block, stored: frozenset[int]) -> None:
+    """Write each carried load's sum (``carry_init``) once, after the loop."""
+    rows, cols, _ = TILE[ctx.name]
+    for x, acc in carried.items():
+        val = acc if _used(x) & {rows, cols} else f"tl.sum(tl.sum({acc}, 1), 0)"
+        ptr, mask = em.address(x, ctx, block, "g")
+        block.lines.append(write(x, ptr, val, mask, stored))
+
+
+Term = tuple[float, tuple[Expr, ...]]     # coefficient, factors
+MAX_TERMS = 16
+
+
+def tile_axes(e: Expr) -> set[str]:
+    """The tile axes (m, n) along which ``e`` varies: its vars, m for a row value, both for a
+    score or a writer's tile."""
+    if refs(e, "dot") or refs(e, "tile"):
+        return {"m", "n"}
+    return (set(free_vars(e)) & {"m", "n"}) | ({"m"} if refs(e, "red") else set())
+
+
+def terms(e: Expr, axes: set[str]) -> list[Term]:
+    """``e`` as a sum of products, like terms merged: distributed over a sum where that takes a
+    factor constant along ``axes`` out of a term (a - b of a query's and a key's coordinate;
+    not dR_1 + dR_2, whose parts both vary), through products of up to ``MAX_TERMS`` terms.
+    The form ``factored_sum`` splits."""
+    def free(t: Term) -> bool:
+        return any(not tile_axes(f) & axes for f in t[1])
+
+    def expand(x: Expr) -> list[Term]:
+        if x.op == "const" and x.kind == "f":
+            return [(x.args[0], ())]
+        if x.op in ("add", "sub") and x.kind == "f":
+            a, b = expand(x.args[0]), expand(x.args[1])
+            if any(map(free, a + b)):
+                return a + (b if x.op == "add" else [(-c, f) for c, f in b])
+        if x.op == "neg":
+            return [(-c, f) for c, f in expand(x.args[0])]
+        if x.op == "mul" and x.kind == "f":
+            a, b = expand(x.args[0]), expand(x.args[1])
+            if len(a) * len(b) <= MAX_TERMS:
+                return [(ca * cb, fa + fb) for ca, fa in a for cb, fb in b]
+        return [(1.0, (x,))]
+    merged: dict[frozenset, list] = {}
+    for c, fs in expand(e):
+        merged.setdefault(frozenset(collections.Counter(fs).items()), [0.0, fs])[0] += c
+    return [(c, fs) for c, fs in merged.values() if c != 0.0]
+
+
+def factored_sum(em: Emitter, g: Expr, ctx: Ctx, block: Block, axes: set[str], zero: str | None,
+                 sums: dict[Expr, str]) -> str | None:
+    """The sum of the adjoint ``g`` over the tile ``axes`` its load does not read, with the
+    factors that do not vary along them taken out of the sum: sum_n G (a_m - b_n) =
+    a_m sum_n G - sum_n G b_n, one reduction per distinct factor taken out, and each reduction
+    shared across the loads of one ``scatter`` (``sums``: the summand -> its name). A
+    difference of a query's and a key's coordinate (IPA's points) is then no tile that lives
+    from the score's recomputation to dS (the summands load what they read again,
+    ``Emitter.emit_reloaded``). None where nothing factors out (the plain sum is one reduction).
+    It costs precision where the parts taken out are large and their difference small: sum_n G
+    is ~0 for a softmax, so a_m sum_n G is roundoff times |a| (docs/design.md, "Backward")."""
+    groups: dict[frozenset, list] = {}       # the factors taken out -> (them, the summand's terms)
+    for c, fs in terms(g, axes):
+        out = [f for f in fs if not tile_axes(f) & axes]
+        inner = [f for f in fs if tile_axes(f) & axes]
+        if not inner:
+            return None         # constant along the sum: a count of the in-range elements
+        prod = functools.reduce(lambda a, b: a * b, inner)
+        groups.setdefault(frozenset(collections.Counter(out).items()), [out, []])[1].append(
+            prod if c == 1.0 else prod * c)
+    if all(not out for out, _ in groups.values()):
+        return None
+    rows, cols, shape = TILE[ctx.name]
+    parts = []
+    for out, summands in groups.values():
+        summand = functools.reduce(lambda a, b: a + b, summands)
+        if summand not in sums:
+            x = f"tl.broadcast_to({em.emit_reloaded(summand, ctx, block)}, {shape})"
+            x = f"tl.where({zero}, {x}, 0.0)" if zero else x
+            if axes == {rows, cols}:
+                x = f"tl.sum(tl.sum({x}, 1, keep_dims=True), 0, keep_dims=True)"
+            else:
+                x = f"tl.sum({x}, {0 if rows in axes else 1}, keep_dims=True)"
+            sums[summand] = em.fresh("fs")
+            block.lines.append(f"{sums[summand]} = {x}")
+        parts.append(" * ".join([*(em.emit(f, ctx, block) for f in out), sums[summand]]))
+    return " + ".join(parts)
+
+
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
             stored: frozenset[int] = frozenset(), tile_mask: str | None = None,
-            sum_mask: str | None = None, index_bounds=None) -> None:
+            sum_mask: str | None = None, index_bounds=None, carried: dict[Expr, str] | None = None) -> None:
     """Write every load's adjoint at the load's address in its gradient tensor ``g{i}``, first
     summed over the tile axes its index does not use (broadcast dims): ``tl.store`` in the
-    gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32. ``tile_mask``:
-    the tile's in-range elements; the others are zeroed before the sums (a padded row's
-    adjoint can be 0 * inf, e.g. through an epilogue's division by a dv-sum that is 0 there).
+    gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32; a load in
+    ``carried`` (load -> register, ``carry_init``) adds the sum to its register instead
+    (``flush`` writes it after the loop); a sum over a score tile is ``factored_sum``'s where it
+    factors. ``tile_mask``: the tile's in-range elements; the others are zeroed before the sums
+    (a padded row's adjoint can be 0 * inf, e.g. through an epilogue's division by a dv-sum that
+    is 0 there).
     ``sum_mask``: the same, applied only where there is a sum (elsewhere the write's own mask
     already skips them). ``index_bounds(x)``: a gathered load's index bounded over the tile
     (``uniform_add``), or None where it cannot be."""
     rows, cols, shape = TILE[ctx.name]
+    score = {rows, cols} == {"m", "n"}
+    sums: dict[Expr, str] = {}
     for x, g in adjoints.items():
         if x.op != "load":
             continue
-        val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
-        used = set().union(*(free_vars(i) for i in x.args[1]))
+        used = _used(x)
         zero = tile_mask or (sum_mask if rows not in used or cols not in used else None)
-        if zero:
-            val = f"tl.where({zero}, {val}, 0.0)"
-        if rows not in used and cols not in used:
-            val = f"tl.sum(tl.sum({val}, 1), 0)"
-        elif rows not in used:
-            val = f"tl.sum({val}, 0, keep_dims=True)"
-        elif cols not in used:
-            val = f"tl.sum({val}, 1, keep_dims=True)"
+        axes = {rows, cols} - used
+        if axes and score and (val := factored_sum(em, g, ctx, block, axes, zero, sums)) is not None:
+            if len(axes) == 2:
+                val = f"tl.sum(tl.sum({val}, 1), 0)"       # [1, 1] -> the scalar the plain sum gives
+        else:
+            val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
+            if zero:
+                val = f"tl.where({zero}, {val}, 0.0)"
+            if rows not in used and cols not in used:
+                val = f"tl.sum(tl.sum({val}, 1), 0)"
+            elif rows not in used:
+                val = f"tl.sum({val}, 0, keep_dims=True)"
+            elif cols not in used:
+                val = f"tl.sum({val}, 1, keep_dims=True)"
+        if carried and x in carried:
+            block.lines.append(f"{carried[x]} = {carried[x]} + {val}")
+            continue
         ptr, mask = em.address(x, ctx, block, "g")
         if x.args[0] in stored:
-            block.lines.append(f"tl.store({ptr}, {val}.to(g{x.args[0]}_ptr.dtype.element_ty){', mask=' + mask if mask else ''})")
+            block.lines.append(write(x, ptr, val, mask, stored))
         elif index_bounds and gathered(x) and used & {rows, cols} and (iv := index_bounds(x)) is not None:
             block.lines += uniform_add(x, val, ptr, "" if zero else mask, iv)
         else:

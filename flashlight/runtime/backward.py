@@ -95,14 +95,16 @@ class BackwardKernels:
         address (a store in x's dtype, ``plan.stored``), fp32 zeros for atomic adds
         (``zeros_like(x)`` itself when x is fp32: no copy afterwards). A stored gradient that
         kernels not in ``kernels`` write slices of (a packed qkv's; a config timed alone) starts
-        as zeros, so what the others leave is defined. ``device="meta"``: the same layouts
+        as zeros, so what the others leave is defined, and so does one stored per tile
+        (``plan.zeroed``: skipped tiles write nothing). ``device="meta"``: the same layouts
         without memory (what a compile specialises on)."""
         kernels = (kernels,) if isinstance(kernels, str) else ("rows", *kernels)
         written = sorted({i for kernel in kernels for i in self.writes[kernel]})
         bufs = {}
         for i in written:
             x = inputs[i]
-            if i in self.plan.stored and any(i in self.writes[k] for k in ("rows", *self.TILES) if k not in kernels):
+            if i in self.plan.zeroed or i in self.plan.stored and any(
+                    i in self.writes[k] for k in ("rows", *self.TILES) if k not in kernels):
                 bufs[i] = torch.zeros_like(x, device=device)
             elif i in self.plan.stored:
                 bufs[i] = unwritten(torch.empty_like(x, device=device))
