@@ -94,6 +94,52 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+C26)  # session 26's third call (B26 timed before flashlight.wait() was in benchmarks.backward: a Gluon
+    # kernel could take over mid-timing; sinks, ALiBi and DiffAttn, unchanged, moved 1.3-3x): the GPU
+    # tests the gradient changes reach, then IPA's, Evoformer's and post_softmax's steps, this
+    # code and bb1621f (.s26) alternating, then IPA's kernels one by one (benchmarks.kernels --step)
+  timeout -k 10 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "bf16_forward_and_gradients or fused_dq or group_loop" \
+    > $OUT/test_gpu_c26.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/test_gpu_c26.txt | cut -c1-160
+  for rep in 1; do
+    for v in ipa evoformer post_softmax; do
+      for tree in . .s26; do
+        name=c26_$([ $tree = . ] && echo new || echo old)_${v}_$rep
+        (cd $tree && OUT=$OUT/$name timeout -k 5 60 python3 -m benchmarks.backward --n 1024 --b 4 \
+          --variants $v $([ $v$tree$rep = ipa.1 ] && echo --inductor) > $OUT/$name.txt 2>&1)
+        echo "$name rc $?"; grep -v "^backward:" $OUT/$name.txt | cut -c1-120
+      done
+    done
+  done
+  for tree in . .s26; do
+    name=c26_kernels_$([ $tree = . ] && echo new || echo old)
+    (cd $tree && OUT=$OUT/$name timeout -k 5 60 python3 -m benchmarks.kernels --variants ipa --step --n 1024 --b 4 \
+      > $OUT/$name.txt 2>&1)
+    echo "$name rc $?"; tail -12 $OUT/$name.txt | cut -c1-150
+  done
+  ;;
+B26)  # session 26's second call: body-load gradients summed across the loop (per-key in the dK/dV kernel,
+    # per-query in the dQ kernel, factored sums) and a full-rank bias stored per tile, against bb1621f
+    # (.s26: per-tile atomics), the training steps of the programs they reach, B=4 N=1024
+  for v in ipa evoformer sinks diff_attention relative_position alibi; do
+    for tree in . .s26; do
+      name=b26_$([ $tree = . ] && echo new || echo old)_$v
+      (cd $tree && OUT=$OUT/$name timeout -k 5 50 python3 -m benchmarks.backward --n 1024 --b 4 \
+        --variants $v > $OUT/$name.txt 2>&1)
+      echo "$name rc $?"; grep -v "^backward:" $OUT/$name.txt | cut -c1-150
+    done
+  done
+  ;;
+A26)  # session 26's first call: R3 (T5's table gradient, uniform tiles against 4e92c47's per-score adds,
+    # .s25 carried), then R2's variants at this code alone (the acq_rel half dropped: R1 measured it on GQA)
+  bash "$0" R3
+  for v in sinks diff_attention evoformer relative_position ipa; do
+    name=atomics_$v
+    OUT=$OUT/$name timeout -k 5 45 python3 -m benchmarks.backward --n 1024 \
+      --variants $v --inductor > $OUT/$name.txt 2>&1
+    echo "$name rc $?"; grep -v "^backward:" $OUT/$name.txt | cut -c1-150
+  done
+  ;;
 R3)  # session 25 (not run: the machine was taken back): T5's relative-position table gradient, one add per
     # tile where the tile reads one bucket (gradients.uniform_add, 696cd03), against 4e92c47 (.s25: one
     # relaxed add per score). Prepare: git archive 4e92c47 | (mkdir -p .s25 && tar -x -C .s25)

@@ -28,10 +28,12 @@ def _inputs(name, **kw):
 
 @pytest.mark.parametrize("name,D", [("causal", 64), ("alibi", 64), ("document_mask", 64), ("sliding_window", 64),
                                     ("diff_attention", 64), ("diff_transformer", 64), ("evoformer", 64), ("causal", 80),
-                                    ("gated", 96), ("rope", 128)])
+                                    ("gated", 96), ("rope", 128), ("ipa", 64), ("post_softmax", 64),
+                                    ("relative_position", 64)])
 def test_bf16_forward_and_gradients_match_float64(name, D):
-    """Seven variants at D = 64 (DiffAttn both ways: its gradients stored into interleaved heads
-    in the second), two head dims whose QK^T and P @ V run in power-of-two pieces, and RoPE at
+    """Ten variants at D = 64 (DiffAttn both ways: its gradients stored into interleaved heads
+    in the second; IPA's and post_softmax's body gradients summed across the loops, IPA's pair
+    bias stored per tile; T5's table added once per uniform tile), two head dims whose QK^T and P @ V run in power-of-two pieces, and RoPE at
     D = 128 (in training its rotated Q and K load as leaves: the Gluon forward and tile kernels,
     the cos and sin tables' gradients through Inductor)."""
     check_bf16(name, D)
