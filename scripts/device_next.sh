@@ -1,3 +1,8 @@
+# Session 27's plan (session 26: docs/notes.md "Session 26"; three calls ran, all H100s, six tries got no
+#   machine): leave kind out (H100 or H200, whichever comes). First the GPU tests in full (part G; session
+#   26 ran only the bf16-gradient, fused-dQ and group-loop ones), then C26 again for IPA's dK/dV config
+#   (benchmarks.backward --tune on ipa: the default 64x64 spills 4.4 KB offline, 32x64 0.9 KB) and
+#   post_softmax's unexplained forward (0.32 against 0.08 ms, same code), then TR and F if time is left.
 # Session 26's plan (session 25: docs/notes.md "Session 25"; its R2 timed out, R3 never ran): prepare .s25
 #   (see R3), then run(command="bash scripts/device_next.sh R3", carry=[".s25"]) (~2 min: T5's table
 #   gradient, uniform tiles against per-score adds), then R2 (now per variant at N=1024; carry .s24
