@@ -192,3 +192,52 @@ def test_terms_take_out_what_a_sum_does_not_vary_along():
     got = {(c, frozenset(fs)) for c, fs in gradients.terms(g * t + g * t, {"n"})}
     assert got == {(2.0, frozenset({g, a})), (-2.0, frozenset({g, b}))}
     assert gradients.terms((g + g2) * a, {"n"}) == [(1.0, (g + g2, a))]
+
+
+def _head_and_key_terms(q, k, v, kb, kb2, w, c):
+    """Per-head and per-key loads in one score: w_h (kb_n + c_h) + c_h kb2_n. Their factored
+    sums include sum_{m,n} G (for w and c) and sum_m G (for kb): one summand, two reductions."""
+    s = q @ k.mT * D ** -0.5 + w[:, None, None] * (kb[:, None, None, :] + c[:, None, None]) + c[:, None, None] * kb2[:, None, None]
+    return torch.softmax(s, -1) @ v
+
+
+def test_factored_sums_over_different_axes_are_kept_apart(fresh):
+    """A tile's reductions are shared by (axes, summand), not by summand alone: the first form
+    gave kb the sum over both axes (one constant for every key; session 26's review)."""
+    torch.manual_seed(0)
+    check_grads(_head_and_key_terms, (torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D),
+                                      torch.randn(B, N), torch.randn(B, 1, N), torch.rand(H) + 0.5, torch.randn(H)))
+
+
+def _bucket_over_norm(q, k, v, table, qn):
+    """A gathered table (query buckets of 8, clipped) times rsqrt of a per-query norm: the
+    factor taken out of the sum is inf at padded rows, where the norm loads as 0."""
+    idx = (torch.arange(q.shape[2]) // 8).clamp(max=3)
+    bias = table[:, idx][None, :, :, None] * torch.rsqrt(qn)[..., None]
+    return torch.softmax(q @ k.mT * D ** -0.5 + bias * k[..., 0][:, :, None, :], -1) @ v
+
+
+def test_a_factored_gathered_gradient_masks_padded_rows(fresh):
+    """With the fused dQ the per-query table gradient is added per tile (``uniform_add``): the
+    factored sum is inf * 0 at padded rows, so the write is masked, not the summand alone (a
+    NaN reached the clipped bucket before; session 26's review)."""
+    fresh.setenv("FLASHLIGHT_ATOMIC_DQ", "1")
+    torch.manual_seed(0)
+    check_grads(_bucket_over_norm, (torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D),
+                                    torch.randn(H, 4), torch.rand(B, H, M) + 0.5))
+
+
+def _weighted_distance(q, k, v, a, b, w):
+    d2 = ((a[:, :, :, None] - b[:, :, None]) ** 2).sum(-1)
+    return torch.softmax(q @ k.mT * D ** -0.5 - w[:, :, None, :] * d2, -1) @ v
+
+
+def test_factoring_stays_linear_in_the_points(fresh):
+    """A per-key weight on the squared distance: its gradient sums G (a - b)^2 over m, which
+    must not expand to a^2 - 2ab + b^2 (relative error 3e-3 with coordinates 300 times their
+    spread before; 2e-7 now). The points' sums are factored linearly (errors ~ offset x 6e-8)."""
+    torch.manual_seed(0)
+    a = 300 + torch.randn(B, H, M, 3)
+    check_grads(_weighted_distance, (torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D),
+                                     a, a[:, :, torch.arange(N) % M] + torch.randn(B, H, N, 3), 0.1 * torch.rand(B, H, N)),
+                tol=1e-4)

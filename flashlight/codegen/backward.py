@@ -349,10 +349,11 @@ class TileWriter(KernelWriter):
         kernel = "dkdv" if "dk" in self.kinds else "dq"
         self.carried = {x: f"gc{c}" for c, x in enumerate(x for x, k in plan.carried.items() if k == kernel)}
 
-    def carry(self, loop: Block, adjoints: dict[Expr, Expr]) -> None:
-        """This tile's part of each carried gradient, into its register."""
+    def carry(self, loop: Block, adjoints: dict[Expr, Expr], sums: dict | None = None) -> None:
+        """This tile's part of each carried gradient, into its register (``sums``: the tile's
+        reductions so far, ``gradients.factored_sum``)."""
         mine = {x: adjoints[x] for x in self.carried if x in adjoints}
-        scatter(self.em, mine, self.ctx_s, loop, self.plan.stored, "mask_mn", carried=self.carried)
+        scatter(self.em, mine, self.ctx_s, loop, self.plan.stored, "mask_mn", carried=self.carried, sums=sums)
 
     def pieces(self, kind: str) -> list[tuple[int, int]] | None:
         """The head-dim pieces of accumulator ``kind`` (dq / dk: DK; dv: DV), or None for one
@@ -560,10 +561,10 @@ class DKDVWriter(TileWriter):
         self.row_values(loop)
         adjoints, operands = self.tile_adjoints(loop, full)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
-        per_tile = {x: g for x, g in adjoints.items() if x not in self.plan.carried}
+        per_tile, sums = {x: g for x, g in adjoints.items() if x not in self.plan.carried}, {}
         scatter(self.em, per_tile, self.ctx_s, loop, self.plan.stored, "mask_mn",  # (reductions read: constant shifts)
-                index_bounds=lambda x: self.index_bounds(x, loop))
-        self.carry(loop, adjoints)
+                index_bounds=lambda x: self.index_bounds(x, loop), sums=sums)
+        self.carry(loop, adjoints, sums)
         self.score_grads(loop, adjoints, operands)
         if self.plan.fused_dq:
             self.add_dq(loop, adjoints, operands)

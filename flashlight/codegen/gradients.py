@@ -191,6 +191,7 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
     plan = GradPlan(members, dots, accs, fused_dq=fused_dq, group=group_loop(region, accs, group))
     plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
     plan.sites += [Site(x.args[0], x, "row", "rows", True) for x in loads(vjp(extra_seeds(region, members)))]
+    # the bodies' loads: ``full_body`` (a block inside every mask) drops masks, never adds a load
     for x in loads(body_adj):
         kernel = summing_kernel(region, x, fused_dq, plan.group)
         if kernel is None:
@@ -205,7 +206,8 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
     by_input: dict[int, list[Site]] = {}
     for s in plan.sites:
         by_input.setdefault(s.input, []).append(s)
-    # a per-tile site's tile is visited once whatever the group loop: its head is in the index
+    # a per-tile site's tile is visited once whatever the group loop (``owned`` asks every batch
+    # var, the head's too, of its index)
     group = {s: plan.group if s.kernel == "dkdv" and s.once else None for s in plan.sites}
     plan.stored = frozenset(i for i, ss in by_input.items() if partition(
         [owned(s.load, s.writers, region, group[s]) for s in ss], region.inputs[i].shape))
@@ -416,12 +418,25 @@ def tile_axes(e: Expr) -> set[str]:
 def terms(e: Expr, axes: set[str]) -> list[Term]:
     """``e`` as a sum of products, like terms merged: distributed over a sum where that takes a
     factor constant along ``axes`` out of a term (a - b of a query's and a key's coordinate;
-    not dR_1 + dR_2, whose parts both vary), through products of up to ``MAX_TERMS`` terms.
-    The form ``factored_sum`` splits."""
+    not dR_1 + dR_2, whose parts both vary), through products of up to ``MAX_TERMS`` terms, and
+    linearly: a product of two such sums stays one factor ((a - b)^2 expanded to a^2 - 2ab + b^2
+    cancels quadratically in the offset of a and b from 0: a weight's gradient at relative
+    error 3e-3 with coordinates 300 times their spread, session 26's review). The form
+    ``factored_sum`` splits."""
+    memo: dict[Expr, list[Term]] = {}
+
     def free(t: Term) -> bool:
         return any(not tile_axes(f) & axes for f in t[1])
 
+    def mixed(ts: list[Term]) -> bool:      # a sum with a part taken out
+        return len(ts) > 1 and any(map(free, ts))
+
     def expand(x: Expr) -> list[Term]:
+        if x not in memo:
+            memo[x] = split(x)
+        return memo[x]
+
+    def split(x: Expr) -> list[Term]:
         if x.op == "const" and x.kind == "f":
             return [(x.args[0], ())]
         if x.op in ("add", "sub") and x.kind == "f":
@@ -432,7 +447,7 @@ def terms(e: Expr, axes: set[str]) -> list[Term]:
             return [(-c, f) for c, f in expand(x.args[0])]
         if x.op == "mul" and x.kind == "f":
             a, b = expand(x.args[0]), expand(x.args[1])
-            if len(a) * len(b) <= MAX_TERMS:
+            if len(a) * len(b) <= MAX_TERMS and not (mixed(a) and mixed(b)):
                 return [(ca * cb, fa + fb) for ca, fa in a for cb, fb in b]
         return [(1.0, (x,))]
     merged: dict[frozenset, list] = {}
@@ -442,11 +457,11 @@ def terms(e: Expr, axes: set[str]) -> list[Term]:
 
 
 def factored_sum(em: Emitter, g: Expr, ctx: Ctx, block: Block, axes: set[str], zero: str | None,
-                 sums: dict[Expr, str]) -> str | None:
+                 sums: dict[tuple, str]) -> str | None:
     """The sum of the adjoint ``g`` over the tile ``axes`` its load does not read, with the
     factors that do not vary along them taken out of the sum: sum_n G (a_m - b_n) =
     a_m sum_n G - sum_n G b_n, one reduction per distinct factor taken out, and each reduction
-    shared across the loads of one ``scatter`` (``sums``: the summand -> its name). A
+    shared across the loads of one tile (``sums``: (the axes, the summand) -> its name). A
     difference of a query's and a key's coordinate (IPA's points) is then no tile that lives
     from the score's recomputation to dS (the summands load what they read again,
     ``Emitter.emit_reloaded``). None where nothing factors out (the plain sum is one reduction).
@@ -467,22 +482,24 @@ def factored_sum(em: Emitter, g: Expr, ctx: Ctx, block: Block, axes: set[str], z
     parts = []
     for out, summands in groups.values():
         summand = functools.reduce(lambda a, b: a + b, summands)
-        if summand not in sums:
+        key = (frozenset(axes), summand)
+        if key not in sums:
             x = f"tl.broadcast_to({em.emit_reloaded(summand, ctx, block)}, {shape})"
             x = f"tl.where({zero}, {x}, 0.0)" if zero else x
             if axes == {rows, cols}:
                 x = f"tl.sum(tl.sum({x}, 1, keep_dims=True), 0, keep_dims=True)"
             else:
                 x = f"tl.sum({x}, {0 if rows in axes else 1}, keep_dims=True)"
-            sums[summand] = em.fresh("fs")
-            block.lines.append(f"{sums[summand]} = {x}")
-        parts.append(" * ".join([*(em.emit(f, ctx, block) for f in out), sums[summand]]))
+            sums[key] = em.fresh("fs")
+            block.lines.append(f"{sums[key]} = {x}")
+        parts.append(" * ".join([*(em.emit(f, ctx, block) for f in out), sums[key]]))
     return " + ".join(parts)
 
 
 def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
             stored: frozenset[int] = frozenset(), tile_mask: str | None = None,
-            sum_mask: str | None = None, index_bounds=None, carried: dict[Expr, str] | None = None) -> None:
+            sum_mask: str | None = None, index_bounds=None, carried: dict[Expr, str] | None = None,
+            sums: dict[tuple, str] | None = None) -> None:
     """Write every load's adjoint at the load's address in its gradient tensor ``g{i}``, first
     summed over the tile axes its index does not use (broadcast dims): ``tl.store`` in the
     gradient's dtype for a ``stored`` input, else ``tl.atomic_add`` into fp32; a load in
@@ -493,19 +510,22 @@ def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
     is 0 there).
     ``sum_mask``: the same, applied only where there is a sum (elsewhere the write's own mask
     already skips them). ``index_bounds(x)``: a gathered load's index bounded over the tile
-    (``uniform_add``), or None where it cannot be."""
+    (``uniform_add``), or None where it cannot be. ``sums``: ``factored_sum``'s reductions,
+    shared with other calls on the same tile."""
     rows, cols, shape = TILE[ctx.name]
     score = {rows, cols} == {"m", "n"}
-    sums: dict[Expr, str] = {}
+    sums = {} if sums is None else sums
     for x, g in adjoints.items():
         if x.op != "load":
             continue
         used = _used(x)
         zero = tile_mask or (sum_mask if rows not in used or cols not in used else None)
         axes = {rows, cols} - used
-        if axes and score and (val := factored_sum(em, g, ctx, block, axes, zero, sums)) is not None:
+        factored = axes and score and (val := factored_sum(em, g, ctx, block, axes, zero, sums)) is not None
+        if factored:
             if len(axes) == 2:
                 val = f"tl.sum(tl.sum({val}, 1), 0)"       # [1, 1] -> the scalar the plain sum gives
+            zero = None     # the factors taken out are not masked: an out-of-range one can be inf
         else:
             val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
             if zero:
