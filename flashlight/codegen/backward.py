@@ -561,7 +561,8 @@ class DKDVWriter(TileWriter):
         self.row_values(loop)
         adjoints, operands = self.tile_adjoints(loop, full)
         loop.lines.append("# reverse through the bodies: loaded biases and tables, then dS -> dK")
-        per_tile, sums = {x: g for x, g in adjoints.items() if x not in self.plan.carried}, {}
+        carried = self.plan.carried
+        per_tile, sums = {x: g for x, g in adjoints.items() if x not in carried}, {}
         scatter(self.em, per_tile, self.ctx_s, loop, self.plan.stored, "mask_mn",  # (reductions read: constant shifts)
                 index_bounds=lambda x: self.index_bounds(x, loop), sums=sums)
         self.carry(loop, adjoints, sums)

@@ -81,8 +81,6 @@ class GradPlan:
         sites: every gradient write; ``stored``: inputs written by ``tl.store`` (see module doc);
             ``zeroed``: stored inputs written per tile, which start as zeros (the tiles the
             sparsity scan skips write nothing).
-        carried: the body loads whose gradient a kernel (``"dkdv"``, ``"dq"``) sums across its
-            loop and writes once (``carried``), not per tile.
         fused_dq: the dK/dV kernel also adds each tile's dS K into dQ with fp32 atomics (cuDNN's
             and FA3's backward), so S, P and dP are computed once per tile, not again by a dQ
             kernel; the Q operands' gradients are then per-tile sites of the dK/dV kernel.
@@ -93,9 +91,14 @@ class GradPlan:
     sites: list[Site] = field(default_factory=list)
     stored: frozenset[int] = frozenset()
     zeroed: frozenset[int] = frozenset()
-    carried: dict[Expr, str] = field(default_factory=dict)
     fused_dq: bool = False      # dQ added by the dK/dV kernel per tile (fp32 atomics): no dQ kernel
     group: Group | None = None
+
+    @property
+    def carried(self) -> dict[Expr, str]:
+        """The body loads whose gradient a kernel (``"dkdv"``, ``"dq"``) sums across its loop and
+        writes once, not per tile (``summing_kernel``), in the order of their sites."""
+        return {s.load: s.kernel for s in self.sites if s.body and s.once}
 
     def programs(self, batch: tuple[int, ...]) -> int:
         """The dK/dV kernel's programs per key block (its grid's axis 1)."""
@@ -197,7 +200,6 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
         if kernel is None:
             plan.sites.append(Site(x.args[0], x, "s", "dkdv", False, body=True))
         else:
-            plan.carried[x] = kernel
             plan.sites.append(Site(x.args[0], x, "kn" if kernel == "dkdv" else "q", kernel, True, body=True))
     dq_site = ("dkdv", False) if fused_dq else ("dq", True)
     for kind, ctx, (kernel, once) in (("dk", "k", ("dkdv", True)), ("dv", "v", ("dkdv", True)), ("dq", "q", dq_site)):
@@ -540,9 +542,8 @@ def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
             block.lines.append(f"{carried[x]} = {carried[x]} + {val}")
             continue
         ptr, mask = em.address(x, ctx, block, "g")
-        if x.args[0] in stored:
-            block.lines.append(write(x, ptr, val, mask, stored))
-        elif index_bounds and gathered(x) and used & {rows, cols} and (iv := index_bounds(x)) is not None:
+        if (x.args[0] not in stored and index_bounds and gathered(x) and used & {rows, cols}
+                and (iv := index_bounds(x)) is not None):
             block.lines += uniform_add(x, val, ptr, "" if zero else mask, iv)
         else:
-            block.lines.append(atomic_add(ptr, val, mask))
+            block.lines.append(write(x, ptr, val, mask, stored))
