@@ -70,6 +70,44 @@ def test_gqa_spellings(how):
     assert "gqa" in report.regions[0].features
 
 
+def _mqa_einsum(q, k, v):
+    # K and V shared by the heads: the head letter is in the query's operand only
+    return torch.einsum("bhst,btd->bhsd", torch.einsum("bhsd,btd->bhst", q, k).mul(0.25).softmax(-1), v)
+
+
+def _absorbed_mla(q, kv, pos):
+    # DeepSeek-V3's absorbed MLA (inference/model.py), one latent per key for every head, the
+    # query positions in the output's second letter: rows are the heads, each (b, s) a batch
+    # element; a causal mask at an offset, indexed by s, the batch letter
+    s = torch.einsum("bshc,btc->bsht", q, kv) * 0.25
+    mask = torch.arange(kv.shape[1])[None, :] > pos[:, None] + torch.arange(q.shape[1])[:, None]
+    s = s + torch.where(mask, float("-inf"), 0.0)[None, :, None, :]
+    return torch.einsum("bsht,btc->bshc", s.softmax(-1), kv)
+
+
+def test_einsum_with_a_batch_letter_one_operand_lacks():
+    """Einsums where an output letter besides the rows is in the query's operand only (MQA's heads,
+    MLA's query positions) fuse, that letter a batch dim K and V broadcast over; forward and
+    gradients against float64."""
+    q, k, v = torch.randn(B, H, M, D), torch.randn(B, N, D), torch.randn(B, N, D)
+    _, report = check_fused(_mqa_einsum, q, k, v)
+    assert report.regions[0].shapes["M"] == M
+    check_grads(_mqa_einsum, [q, k, v])
+    q, kv, pos = torch.randn(B, 7, 5, D), torch.randn(B, N, D), torch.tensor([N - 7])
+    _, report = check_fused(_absorbed_mla, q, kv, pos)
+    assert report.regions[0].shapes["M"] == 5, report      # the heads: FlashMLA's rows
+    check_grads(_absorbed_mla, [q, kv, pos])
+
+
+@pytest.mark.parametrize("eq", ["bhmd,bhnd->bhmnd", "bhmd,bhmd->bhmm", "bhmd,bhnd->bhm", "bhdd,bhnd->bhdn",
+                                "bhmde,bhnde->bhmn", "bhmd,bhnd->bhmn"])
+def test_einsum_letters_accepts_one_contraction(eq):
+    from flashlight.capture.rules import einsum_letters
+    assert (einsum_letters(eq) is not None) == (eq == "bhmd,bhnd->bhmn")
+    assert einsum_letters("bshc,btc->bsht")[3] == "bsht"      # rows h (the last letter only in a)
+    assert einsum_letters("bhsd,btd->bhst")[3] == "bhst"
+
+
 def test_non_contiguous_bshd_inputs():
     q, k, v = (torch.randn(B, L, H, D).transpose(1, 2) for L in (M, N, N))
     check_fused(lambda q, k, v: torch.softmax(q @ k.mT / 4, -1) @ v, q, k, v)

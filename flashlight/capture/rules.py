@@ -690,20 +690,27 @@ def _baddbmm(b, node, inp, x, y, beta=1, alpha=1):
 
 def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] | None:
     """(a, c, contracted, rows + cols order, ``order``) of a two-operand einsum with one
-    contracted letter, one output letter only in ``a`` (rows) and one only in ``c`` (cols):
-    the product in (batch..., rows, cols) order, which the output may permute."""
+    contracted letter: the product in (batch..., rows, cols) order, which the output may permute.
+    The rows letter is the output's last letter only in ``a``, the cols letter its last only in
+    ``c``; other output letters are batch letters, which an operand that lacks them broadcasts
+    over: MQA's ``bhsd,btd->bhst`` (K and V shared by the heads), DeepSeek-V3's absorbed MLA
+    ``bshc,btc->bsht`` (rows are the heads, as FlashMLA's decode kernel has them). None for
+    anything else: a letter repeated in an operand (a diagonal), two contracted letters."""
     if "..." in equation or "->" not in equation:
         return None
     lhs, out = equation.replace(" ", "").split("->")
     if lhs.count(",") != 1:
         return None
     a, c = lhs.split(",")
+    if len(set(a)) != len(a) or len(set(c)) != len(c) or len(set(out)) != len(out):
+        return None
     contracted = [ch for ch in a if ch in c and ch not in out]
     rows = [ch for ch in out if ch in a and ch not in c]
     cols = [ch for ch in out if ch in c and ch not in a]
-    if len(contracted) != 1 or len(rows) != 1 or len(cols) != 1 or any(ch not in a + c for ch in out):
+    if len(contracted) != 1 or not rows or not cols or any(ch not in a + c for ch in out) or \
+            any(ch not in out + contracted[0] for ch in a + c):
         return None
-    natural = "".join(ch for ch in out if ch not in rows + cols) + rows[0] + cols[0]
+    natural = "".join(ch for ch in out if ch not in (rows[-1], cols[-1])) + rows[-1] + cols[-1]
     return a, c, contracted[0], natural, tuple(out.index(ch) for ch in natural)
 
 
