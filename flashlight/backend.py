@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import _compat
-from .capture import Fallback, Match, Unsupported, autocast, sdpa, carries_grad, find_regions, mark_gradients, source_line
+from .capture import Fallback, Match, Unsupported, autocast, products, sdpa, carries_grad, find_regions, mark_gradients, source_line
 from .capture.symbolic import CARRIES
 from .codegen import CodegenError
 from .ir import Region, VerifyError, verify
@@ -270,7 +270,9 @@ def trace(gm: fx.GraphModule, example_inputs,
             raise Unsupported(f"the trace froze a computed value into a constant ({n.target}): "
                               "an operation outside the dispatcher")
     autocast.make_explicit(aten_gm.graph, autocast.ambient())
-    return aten_gm, sdpa.decompose(aten_gm, keep_sdpa)
+    rewritten = sdpa.decompose(aten_gm, keep_sdpa)
+    products.join(aten_gm)
+    return aten_gm, rewritten
 
 
 def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,

@@ -1,0 +1,143 @@
+"""Two score products whose contractions differ in length, added, joined into one product over
+the concatenated contraction, so that the kernel computes both in one tensor-core dot:
+
+    q1 @ k1^T * s1 + q2 @ k2^T * s2  =  cat([q1 * s1, q2 * s2], -1) @ cat([k1, k2], -1)^T
+
+DeepSeek-V3's absorbed MLA adds a product over the 512-wide latent to one over the 64-wide rotary
+part (``einsum("bshc,btc->bsht", q_nope, kv) + einsum("bshr,btr->bsht", q_pe, pe)``), decoupled
+rotary embeddings add a rotated product to an unrotated one. A region has one contraction length
+(``DK``): before this pass the second product was computed outside the kernel and read back as
+an N x N bias. The concatenated operands are computed once outside the kernel (O(N D) memory,
+differentiated there), as a computed K operand already is (``rules.computed_operand``).
+
+Products with equal lengths are left alone (the region holds both as dots, DiffAttn's way). A
+per-term scale is a Python number (``mul`` / ``div`` by a scalar) folded into the first
+operand; a scale of 1 adds nothing. The pass rewrites only a sum a softmax-like op reads (the
+scores of attention): elsewhere two products stay two products. ``join`` rewrites the ATen
+graph in place, tracing the joined product on the fake values of its operands (their shapes,
+dtypes and devices), and returns how many sums it joined.
+"""
+from __future__ import annotations
+
+import operator
+import string
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import _compat
+from .rules import einsum_letters
+
+aten = torch.ops.aten
+PRODUCTS = {aten.matmul.default, aten.einsum.default}
+SCALES = {aten.mul.Tensor: operator.mul, aten.div.Tensor: operator.truediv}
+SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+
+
+@dataclass
+class Term:
+    product: fx.Node
+    scale: float        # the term is product * scale
+    x: fx.Node          # the product's operands
+    y: fx.Node
+
+
+def _val(n) -> torch.Tensor | None:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _term(n: fx.Node) -> Term | None:
+    """``n`` as a product of two tensors times a Python number, or None."""
+    scale = 1.0
+    if n.op == "call_function" and n.target in SCALES and isinstance(n.args[1], (int, float)) and \
+            not isinstance(n.args[1], bool) and isinstance(n.args[0], fx.Node) and len(n.users) == 1:
+        scale, n = SCALES[n.target](1.0, n.args[1]), n.args[0]
+    if n.op != "call_function" or n.target not in PRODUCTS or len(n.users) != 1:
+        return None
+    x, y = n.args[1] if n.target == aten.einsum.default else n.args[:2]
+    if n.target == aten.einsum.default and (len(n.args[1]) != 2 or einsum_letters(n.args[0]) is None):
+        return None
+    if any(_val(t) is None or _val(t).dim() < 2 for t in (x, y)):
+        return None
+    return Term(n, scale, x, y)
+
+
+def _contracted(t: Term) -> tuple[int, int, str | None]:
+    """The contracted dim of each operand, and the einsum equation with that letter written ``#``
+    (None for matmul)."""
+    if t.product.target == aten.matmul.default:
+        return _val(t.x).dim() - 1, _val(t.y).dim() - 2, None
+    eq = t.product.args[0].replace(" ", "")
+    a, c, k, _, _ = einsum_letters(eq)
+    return a.index(k), c.index(k), eq.replace(k, "#")
+
+
+def _joinable(t1: Term, t2: Term) -> bool:
+    (ax1, ay1, e1), (ax2, ay2, e2) = _contracted(t1), _contracted(t2)
+    if t1.product.target != t2.product.target or e1 != e2 or (ax1, ay1) != (ax2, ay2):
+        return False
+    x1, y1, x2, y2 = (_val(n) for n in (t1.x, t1.y, t2.x, t2.y))
+    if len({x1.dtype, y1.dtype, x2.dtype, y2.dtype}) != 1 or x1.dim() != x2.dim() or y1.dim() != y2.dim():
+        return False
+    rest = lambda s, ax: s[:ax] + s[ax + 1:]        # noqa: E731
+    return x1.shape[ax1] != x2.shape[ax1] and rest(x1.shape, ax1) == rest(x2.shape, ax1) and \
+        rest(y1.shape, ay1) == rest(y2.shape, ay1)
+
+
+def _feeds_softmax(n: fx.Node, depth: int = 12) -> bool:
+    frontier, seen = [n], set()
+    while frontier and depth:
+        depth -= 1
+        nxt = []
+        for x in frontier:
+            if x in seen:
+                continue
+            seen.add(x)
+            if x.op == "call_function" and x.target in SOFTMAX:
+                return True
+            if x.op == "call_function" and x.target not in PRODUCTS:
+                nxt.extend(x.users)
+        frontier = nxt
+    return False
+
+
+def _joined(t1: Term, t2: Term, sign: float):
+    ax, ay, eq = _contracted(t1)
+    s1, s2 = t1.scale, t2.scale * sign
+    if eq is not None:
+        eq = eq.replace("#", next(ch for ch in string.ascii_letters if ch not in eq))
+
+    def fn(x1, y1, x2, y2):
+        x = torch.cat([x1 if s1 == 1 else x1 * s1, x2 if s2 == 1 else x2 * s2], ax)
+        y = torch.cat([y1, y2], ay)
+        return torch.matmul(x, y) if eq is None else torch.einsum(eq, x, y)
+    return fn
+
+
+def join(gm: fx.GraphModule) -> int:
+    joined = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in (aten.add.Tensor, aten.sub.Tensor) or \
+                n.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
+            continue
+        t1, t2 = (_term(a) for a in n.args[:2])
+        if t1 is None or t2 is None or not _joinable(t1, t2) or not _feeds_softmax(n):
+            continue
+        operands = [t1.x, t1.y, t2.x, t2.y]
+        sign = -1.0 if n.target == aten.sub.Tensor else 1.0
+        sub = _compat.trace_on_fakes(_joined(t1, t2, sign), [_val(x) for x in operands])
+        env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], operands))
+        with gm.graph.inserting_before(n):
+            out = gm.graph.graph_copy(sub.graph, env)
+        for new in env.values():
+            if new not in operands:
+                new.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
+        n.replace_all_uses_with(out)
+        dead = [n, *(a for a in n.args[:2] if a not in (t1.product, t2.product)), t1.product, t2.product]
+        for d in dict.fromkeys(dead):       # the sum, its scaled terms, their products
+            gm.graph.erase_node(d)
+        joined += 1
+    if joined:
+        gm.recompile()
+    return joined

@@ -1,0 +1,66 @@
+"""Two score products with contractions of different lengths, added, run as one product over the
+concatenated contraction (capture/products.py): fused whole, no N x N tensor outside the kernel."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from flashlight.capture import products
+from helpers import check_fused, check_grads
+
+B, H, M, N, D, R = 2, 2, 37, 45, 16, 6
+
+
+def decoupled_rope(q, k, v, qr, kr):
+    # a content product and a rotary one over its own 6 dims, each scaled, the second subtracted
+    s = q @ k.transpose(-1, -2) * 0.25 - 0.3 * (qr @ kr.transpose(-1, -2))
+    return torch.softmax(s, -1) @ v
+
+
+def absorbed_mla(q_nope, q_pe, kv, pe):
+    # DeepSeek-V3 inference/model.py, attn_impl="absorb": the latent kv is both K and V
+    scores = (torch.einsum("bshc,btc->bsht", q_nope, kv) + torch.einsum("bshr,btr->bsht", q_pe, pe)) * 0.2
+    return torch.einsum("bsht,btc->bshc", scores.softmax(dim=-1), kv)
+
+
+def equal_lengths(q, k, v, q2, k2):
+    return torch.softmax(q @ k.mT * 0.25 + q2 @ k2.mT * 0.25, -1) @ v
+
+
+def rope_inputs():
+    return [torch.randn(B, H, M, D), torch.randn(B, H, N, D), torch.randn(B, H, N, D),
+            torch.randn(B, H, M, R), torch.randn(B, H, N, R)]
+
+
+def mla_inputs():
+    return [torch.randn(B, 9, 5, D), torch.randn(B, 9, 5, R), torch.randn(B, N, D), torch.randn(B, N, R)]
+
+
+@pytest.mark.parametrize("fn, make, dk", [(decoupled_rope, rope_inputs, D + R), (absorbed_mla, mla_inputs, D + R)])
+def test_products_of_different_lengths_run_as_one_dot(fn, make, dk):
+    inputs = make()
+    _, report = check_fused(fn, *inputs)        # no score-sized tensor computed outside the kernel
+    assert report.regions[0].shapes["DK"] == dk and "bias" not in report.regions[0].features, report
+    check_grads(fn, inputs)
+
+
+def test_products_of_equal_lengths_stay_two_dots():
+    inputs = rope_inputs()[:3] + [torch.randn(B, H, M, D), torch.randn(B, H, N, D)]
+    _, report = check_fused(equal_lengths, *inputs)
+    assert report.regions[0].shapes["DK"] == D
+
+
+def _joined(fn, *inputs):
+    """(sums joined, the graph module after) of ``fn``'s pre-dispatch ATen graph traced on fakes."""
+    gm = make_fx(fn, tracing_mode="fake", pre_dispatch=True)(*inputs)
+    return products.join(gm), gm
+
+
+def test_join_rewrites_only_scores_a_softmax_reads():
+    a, b, c, d = torch.randn(4, 8), torch.randn(8, 5), torch.randn(4, 3), torch.randn(3, 5)
+    n, _ = _joined(lambda a, b, c, d: a @ b + c @ d, a, b, c, d)        # a sum of products: not scores
+    assert n == 0
+    scores = lambda a, b, c, d: torch.softmax(a @ b * 2 - c @ d / 4, -1)     # noqa: E731
+    n, gm = _joined(scores, a, b, c, d)
+    graph = str(gm.graph)
+    assert n == 1 and graph.count("aten.matmul") == 1 and graph.count("aten.cat") == 2, graph
+    torch.testing.assert_close(gm(a, b, c, d), scores(a, b, c, d))
