@@ -68,6 +68,27 @@ def check_against_float64(mod, inputs, out, grads, dout):
         assert rel_error(g, r) < GRAD_TOL, (i, rel_error(g, r))
 
 
+@pytest.mark.parametrize("case", ["decoupled_rope", "absorbed_mla", "mqa_einsum"])
+def test_joined_products_and_shared_kv_einsums_bf16(case):
+    """Two score products of different lengths run as one dot over 64 + 16 dims (padded to 128 in
+    the kernel), and einsums whose K and V lack the head letter, in bf16 against float64."""
+    from types import SimpleNamespace
+
+    from test_capture import _mqa_einsum
+    from test_products import absorbed_mla, decoupled_rope
+    torch.manual_seed(0)
+    B, H, M, N, D, R = 2, 4, 333, 300, 64, 16
+    fn, shapes = {"decoupled_rope": (decoupled_rope, [(B, H, M, D), (B, H, N, D), (B, H, N, D), (B, H, M, R), (B, H, N, R)]),
+                  "absorbed_mla": (absorbed_mla, [(B, 57, 16, D), (B, 57, 16, R), (B, N, D), (B, N, R)]),
+                  "mqa_einsum": (_mqa_einsum, [(B, H, M, D), (B, N, D), (B, N, D)])}[case]
+    inputs = [torch.randn(s, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes]
+    report = flashlight.explain(fn, *inputs)
+    assert len(report.regions) == 1 and "bias" not in report.regions[0].features, report
+    out = torch.compile(fn, backend="flashlight")(*inputs)
+    dout = torch.randn_like(out)
+    check_against_float64(SimpleNamespace(attention=fn), inputs, out, torch.autograd.grad(out, inputs, dout), dout)
+
+
 @pytest.mark.parametrize("name,D", [("causal", 128), ("document_mask", 64), ("diff_attention", 64), ("gqa", 128)])
 def test_fused_dq_bf16(name, D, monkeypatch):
     """``FLASHLIGHT_ATOMIC_DQ=1``: the dK/dV kernel adds dQ with fp32 atomics, no dQ kernel."""

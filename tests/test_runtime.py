@@ -127,7 +127,8 @@ def test_backward_defaults_follow_the_mask_and_the_score_tiles():
     is: a mask that reads loaded values at the query position (document ids: short runs of live
     key blocks) gets the dQ config measured for it; an index-only mask (causal) and a key
     padding mask (loaded, but at the key position only) do not; two score tiles at D=128
-    (DiffAttn) get their own dK/dV config."""
+    (DiffAttn) get their own dK/dV config; a score program of many loads (IPA's 26) gets the
+    small tiles of both kernels, Evoformer's two loads do not."""
     from flashlight.examples import VARIANTS
     from flashlight.runtime import op
     from flashlight.tune import Config
@@ -142,6 +143,7 @@ def test_backward_defaults_follow_the_mask_and_the_score_tiles():
     assert diff[0] == Config(16, 64, 4, 4) != causal_[0] == doc[0]
     assert defaults("document_mask", 64)[1] == Config(64, 32, 4, 4) != defaults("causal", 64)[1]
     assert defaults("sdpa_document", 128)[1] == doc[1] != defaults("key_padding", 128)[1]
+    assert defaults("ipa", 64) == (Config(16, 64, 4, 4), Config(64, 32, 4, 2)) != defaults("evoformer", 64)
 
 
 def test_max_autotune_mode_reaches_the_compiled_region():

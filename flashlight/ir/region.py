@@ -157,6 +157,13 @@ def from_output(region: Region) -> dict[int, int]:
     return {j: k} if kinds == ("dot", "sum") else {}
 
 
+def body_loads(region: Region) -> int:
+    """Distinct floating loads in the reductions' bodies, the score program's (a bias, a table,
+    IPA's 24 point coordinates), not the dots' operands: what each tile recomputes and, in
+    training, what keeps a gradient sum and a row vector live per load."""
+    return len({x for r in region.reductions for x in walk(r.body) if x.op == "load" and x.kind == "f"})
+
+
 def rowstat_columns(region: Region) -> tuple[list[int | None], int]:
     """Layout of the fp32 statistics the forward saves for the backward, [*batch, M, W]: each
     reduction's final value from its first column (one for max and sum, DV for a P @ V product;

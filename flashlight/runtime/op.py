@@ -29,7 +29,7 @@ from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
 from ..ir import Region
 from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
-from ..ir.region import from_output, rowstat_columns
+from ..ir.region import body_loads, from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, reads_loaded_rows, useful
 from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, head_block, heuristic, pow2, smaller)
@@ -62,6 +62,7 @@ class CompiledRegion:
     max_autotune: bool = False       # time the config space (a compile asked for mode="max-autotune")
     sparse: bool = False             # the mask may skip key blocks (picks the default config)
     loaded_rows: bool = False        # the mask reads a loaded value at the query position (document ids)
+    body_loads: int = 0              # floating loads in the score program (picks the backward's default)
     bwd_kernel: BackwardKernels | None = None    # generated backward, or None: the reference VJP (bwd_reason says why)
     bwd_compiled: bool = False       # compile_backward ran (first differentiable forward or backward, or explain())
     bwd_name: str = ""
@@ -303,7 +304,7 @@ class CompiledRegion:
         r = self.region
         block_d = max(head_block(r.DK), head_block(r.DV))
         return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-            backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows)
+            backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows, self.body_loads)
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
@@ -605,7 +606,7 @@ def compile_region(region: Region) -> CompiledRegion:
         sparse = useful(dead)
         c = CompiledRegion(region, source, name, path, kernel, stats, key=key, sparse=sparse,
                            loaded_rows=sparse and reads_loaded_rows(dead), tma=tma, fused_dq=atomic_dq,
-                           group_loop=group)
+                           group_loop=group, body_loads=body_loads(region))
         REGISTRY[key] = c
     return REGISTRY[key]
 

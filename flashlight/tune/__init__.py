@@ -126,8 +126,11 @@ def backward_candidates(block_d: int, kernel: str) -> list[Config]:
     return [Config(*c) for c in BACKWARD[kernel] if c[0] * c[1] <= limit]
 
 
+HEAVY_BODY = 8     # more floating loads than this in the score program: the backward's small tiles
+
+
 def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: int = 1,
-                       loaded_rows: bool = False) -> Config:
+                       loaded_rows: bool = False, body_loads: int = 0) -> Config:
     """A backward kernel's default, from sweeps on the H200 (docs/notes.md, sessions 4, 7, 8;
     B=4 H=16 N=4096, ``benchmarks.backward_configs``) and an H100 (session 23).
     dK/dV at D <= 64 with one score tile: 64 x 64 w4 s3 (causal 0.671 ms against 0.771 at
@@ -143,7 +146,15 @@ def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: 
     at D=64: 0.134 ms against 0.163 at 64 x 64; H100 at D=128: 0.239 against 0.283 at
     128 x 64). Key padding (live up to a length) is not measured and keeps the rules below.
     Otherwise at D <= 64 the forward's 64 x 64 for several score tiles or a mask that skips
-    blocks (short live ranges waste wide query blocks), and elsewhere the first candidate."""
+    blocks (short live ranges waste wide query blocks), and elsewhere the first candidate.
+    A score program with more than ``HEAVY_BODY`` floating loads (``body_loads``: IPA's 26, its
+    pair bias and 24 point coordinates; the next most in the examples is Evoformer's 2) keeps a
+    per-key or per-query gradient sum and a row vector per load live in both tile kernels: dK/dV
+    16 x 64 w4 s4 and dQ 64 x 32 w4 s2, what autotuning chose for IPA (H100, B=4 H=16 N=1024
+    D=64, session 27: the training step 2.44 ms against 5.22 at 64 x 64 and 128 x 64; offline
+    sm_90, dK/dV at 64 x 64 spills 4.4 KB per thread). Measured at D=64 only."""
+    if body_loads > HEAVY_BODY and block_d <= 128:
+        return Config(16, 64, 4, 4) if kernel == "dkdv" else Config(64, 32, 4, 2)
     if kernel == "dkdv" and block_d <= 128:
         if block_d > 64 and n_dots > 1:
             return Config(16, 64, 4, 4)
