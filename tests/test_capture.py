@@ -99,6 +99,25 @@ def test_einsum_with_a_batch_letter_one_operand_lacks():
     check_grads(_absorbed_mla, [q, kv, pos])
 
 
+def _einsum_attention(eq_s, eq_o):
+    return lambda q, k, v: torch.einsum(eq_o, torch.einsum(eq_s, q, k).mul(0.25).softmax(-1), v)
+
+
+@pytest.mark.parametrize("eq_s, eq_o, kv_shape", [
+    ("bhmd,bhnd->bhmn", "bhmn,bhnd->bhmd", (B, 1, N, D)),          # K and V of one head, size 1 where q has H
+    ("... i d, ... j d -> ... i j", "... i j, ... j d -> ... i d", (B, H, N, D)),      # lucidrains' spelling
+    ("... i d, ... j d -> ... i j", "... i j, ... j d -> ... i d", (1, N, D)),         # right-aligned: k's dim meets h
+])
+def test_einsum_broadcasting_and_ellipses(eq_s, eq_o, kv_shape):
+    """A letter where K and V have size 1 broadcasts (it read q's index there, not 0: relative
+    error 0.98 before), and ``...`` expands right-aligned, as torch.einsum has them; forward and
+    gradients (K's and V's summed over the broadcast) against float64."""
+    fn = _einsum_attention(eq_s, eq_o)
+    q, k, v = torch.randn(B, H, M, D), torch.randn(kv_shape), torch.randn(kv_shape)
+    check_fused(fn, q, k, v)
+    check_grads(fn, [q, k, v])
+
+
 @pytest.mark.parametrize("eq", ["bhmd,bhnd->bhmnd", "bhmd,bhmd->bhmm", "bhmd,bhnd->bhm", "bhdd,bhnd->bhdn",
                                 "bhmde,bhnde->bhmn", "bhmd,bhnd->bhmn"])
 def test_einsum_letters_accepts_one_contraction(eq):
@@ -106,6 +125,9 @@ def test_einsum_letters_accepts_one_contraction(eq):
     assert (einsum_letters(eq) is not None) == (eq == "bhmd,bhnd->bhmn")
     assert einsum_letters("bshc,btc->bsht")[3] == "bsht"      # rows h (the last letter only in a)
     assert einsum_letters("bhsd,btd->bhst")[3] == "bhst"
+    from flashlight.capture.rules import expand_ellipsis
+    assert expand_ellipsis("... i d, ... j d -> ... i j", [4, 3]) == "ABid,Bjd->ABij"
+    assert expand_ellipsis("...id,...jd->...ij", [2, 2]) == "id,jd->ij"
 
 
 def test_non_contiguous_bshd_inputs():

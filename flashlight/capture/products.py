@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from .rules import einsum_letters
+from .rules import einsum_letters, expand_ellipsis
 
 aten = torch.ops.aten
 PRODUCTS = {aten.matmul.default, aten.einsum.default}
@@ -41,6 +41,7 @@ class Term:
     scale: float        # the term is product * scale
     x: fx.Node          # the product's operands
     y: fx.Node
+    equation: str | None = None     # an einsum's, its ellipses written as letters
 
 
 def _val(n) -> torch.Tensor | None:
@@ -55,12 +56,16 @@ def _term(n: fx.Node) -> Term | None:
         scale, n = SCALES[n.target](1.0, n.args[1]), n.args[0]
     if n.op != "call_function" or n.target not in PRODUCTS or len(n.users) != 1:
         return None
-    x, y = n.args[1] if n.target == aten.einsum.default else n.args[:2]
-    if n.target == aten.einsum.default and (len(n.args[1]) != 2 or einsum_letters(n.args[0]) is None):
+    einsum = n.target == aten.einsum.default
+    if einsum and len(n.args[1]) != 2:
         return None
+    x, y = n.args[1] if einsum else n.args[:2]
     if any(_val(t) is None or _val(t).dim() < 2 for t in (x, y)):
         return None
-    return Term(n, scale, x, y)
+    eq = expand_ellipsis(n.args[0], [_val(x).dim(), _val(y).dim()]) if einsum else None
+    if einsum and einsum_letters(eq) is None:
+        return None
+    return Term(n, scale, x, y, eq)
 
 
 def _contracted(t: Term) -> tuple[int, int, str | None]:
@@ -68,9 +73,8 @@ def _contracted(t: Term) -> tuple[int, int, str | None]:
     (None for matmul)."""
     if t.product.target == aten.matmul.default:
         return _val(t.x).dim() - 1, _val(t.y).dim() - 2, None
-    eq = t.product.args[0].replace(" ", "")
-    a, c, k, _, _ = einsum_letters(eq)
-    return a.index(k), c.index(k), eq.replace(k, "#")
+    a, c, k, _, _ = einsum_letters(t.equation)
+    return a.index(k), c.index(k), t.equation.replace(k, "#")
 
 
 def _joinable(t1: Term, t2: Term) -> bool:

@@ -20,7 +20,7 @@ from ..ir.expr import JUMPS
 from .autocast import CASTS
 from .epilogue import CONTRACTIONS, extend, packet
 from .ranges import check_integer_ranges
-from .rules import einsum_letters, permute_back
+from .rules import einsum_letters, expand_ellipsis, permute_back
 from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, carries_grad, meta, moved, static_shape
 
 aten = torch.ops.aten
@@ -74,7 +74,7 @@ def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int, tuple[int,
     shape = static_shape(meta(node))
     order = tuple(range(len(shape)))
     if packet(node) == aten.einsum:
-        letters = einsum_letters(node.args[0])
+        letters = einsum_letters(expand_ellipsis(node.args[0], [meta(x).dim() if meta(x) is not None else -1 for x in ops]))
         if letters is None:
             return None
         a, _, summed, _, order = letters

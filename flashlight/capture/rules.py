@@ -7,6 +7,7 @@ import itertools
 import math
 import operator
 import os
+import string
 from typing import Callable
 
 import torch
@@ -688,6 +689,24 @@ def _baddbmm(b, node, inp, x, y, beta=1, alpha=1):
     return Sym(shape, kind, f)
 
 
+def expand_ellipsis(equation: str, ranks: list[int]) -> str:
+    """``equation`` with each ``...`` written as letters it does not use, right-aligned as
+    einsum broadcasts them (``... i d, ... j d -> ... i j`` on 4-D and 3-D operands:
+    ``ABid,Bjd->ABij``); unchanged where it has none or cannot be expanded (einsum_letters
+    then declines it)."""
+    eq = equation.replace(" ", "")
+    if "..." not in eq or "->" not in eq:
+        return eq
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    counts = [r - (len(o) - 3) if "..." in o else 0 for o, r in zip(ops, ranks)]
+    if len(ops) != len(ranks) or any(c < 0 for c in counts):
+        return eq
+    letters = [ch for ch in string.ascii_uppercase + string.ascii_lowercase if ch not in eq][:max(counts)]
+    fill = lambda o, c: o.replace("...", "".join(letters[len(letters) - c:]))     # noqa: E731
+    return ",".join(fill(o, c) for o, c in zip(ops, counts)) + "->" + fill(out, len(letters))
+
+
 def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] | None:
     """(a, c, contracted, rows + cols order, ``order``) of a two-operand einsum with one
     contracted letter: the product in (batch..., rows, cols) order, which the output may permute.
@@ -716,20 +735,23 @@ def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] 
 
 def _einsum(b, node, equation, operands):
     """Two-operand einsum with one contracted letter, normalised to a batched matmul."""
-    letters = einsum_letters(equation) if len(operands) == 2 else None
+    if len(operands) != 2 or any(meta(x) is None for x in operands):
+        return None
+    letters = einsum_letters(expand_ellipsis(equation, [meta(x).dim() for x in operands]))
     if letters is None:
         return None
     a, c, kk, natural, order = letters
-    batch, mm, nn = natural[:-2], natural[-2], natural[-1]
     sa, sc = b.sym(operands[0]), b.sym(operands[1])
-    sizes = dict(zip(a, sa.shape)) | dict(zip(c, sc.shape))
+    batch, mm, nn = natural[:-2], natural[-2], natural[-1]
 
     def norm(s: Sym, letters: str, pair: str) -> Sym:
-        # view the operand as (batch..., pair[0], pair[1]); batch letters it lacks broadcast
+        # view the operand as (batch..., pair[0], pair[1]): batch letters it lacks, and letters
+        # where it has size 1, broadcast (the operand's own sizes, not the other's)
         full = batch + pair
         if any(ch not in full for ch in letters):
             raise Unsupported(f"einsum {equation}: a letter is summed out", node)
-        return Sym(tuple(sizes[ch] if ch in letters else 1 for ch in full), s.kind,
+        own = dict(zip(letters, s.shape))
+        return Sym(tuple(own.get(ch, 1) for ch in full), s.kind,
                    lambda idx: s(tuple(idx[full.index(ch)] for ch in letters)))
 
     return contraction(b, node, norm(sa, a, mm + kk), norm(sc, c, kk + nn), order, *operands,
