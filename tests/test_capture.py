@@ -85,6 +85,11 @@ def _absorbed_mla(q, kv, pos):
     return torch.einsum("bsht,btc->bshc", s.softmax(-1), kv)
 
 
+def _mqa_bshd(q, k, v):
+    # the output in [B, S, H, D], as a model then merges the heads: rows s in both einsums
+    return torch.einsum("bhst,btd->bshd", torch.einsum("bhsd,btd->bhst", q, k).mul(0.25).softmax(-1), v)
+
+
 def test_einsum_with_a_batch_letter_one_operand_lacks():
     """Einsums where an output letter besides the rows is in the query's operand only (MQA's heads,
     MLA's query positions) fuse, that letter a batch dim K and V broadcast over; forward and
@@ -93,6 +98,7 @@ def test_einsum_with_a_batch_letter_one_operand_lacks():
     _, report = check_fused(_mqa_einsum, q, k, v)
     assert report.regions[0].shapes["M"] == M
     check_grads(_mqa_einsum, [q, k, v])
+    check_fused(_mqa_bshd, q, k, v)         # the rows letter from each operand's order, not the output's
     q, kv, pos = torch.randn(B, 7, 5, D), torch.randn(B, N, D), torch.tensor([N - 7])
     _, report = check_fused(_absorbed_mla, q, kv, pos)
     assert report.regions[0].shapes["M"] == 5, report      # the heads: FlashMLA's rows

@@ -64,3 +64,61 @@ def test_join_rewrites_only_scores_a_softmax_reads():
     graph = str(gm.graph)
     assert n == 1 and graph.count("aten.matmul") == 1 and graph.count("aten.cat") == 2, graph
     torch.testing.assert_close(gm(a, b, c, d), scores(a, b, c, d))
+
+
+def _inplace_after_product(q, k, v, qr, kr):
+    q = q * 1.0
+    s1 = q @ k.mT
+    q.mul_(3.0)                      # written after the first product read it
+    return torch.softmax(s1 * 0.25 + (qr @ kr.mT) * 0.3, -1) @ v + q[..., :1]
+
+
+def _inplace_after_second(q, k, v, qr, kr):
+    kr = kr.clone()
+    s2 = qr @ kr.mT
+    kr.zero_()
+    return torch.softmax(q @ k.mT * 0.25 + s2, -1) @ v + kr.sum()
+
+
+@pytest.mark.parametrize("fn", [_inplace_after_product, _inplace_after_second])
+def test_no_join_across_an_in_place_write(fn):
+    """The joined product would read an operand after an in-place write the product came before
+    (a review's reproducers: relative error 0.18 and 0.92). Unjoined, the second product is an
+    N x N tensor computed outside the kernel."""
+    check_fused(fn, *rope_inputs(), score_numel=B * H * M * N + 1)
+
+
+def test_no_join_across_grad_mode_or_autocast_switches():
+    def no_grad_term(q, k, v, qr, kr):
+        with torch.no_grad():
+            s2 = qr @ kr.mT
+        return torch.softmax(q @ k.mT * 0.25 + s2 * 0.3, -1) @ v
+
+    inputs = [x.requires_grad_() for x in rope_inputs()]
+    out = torch.compile(no_grad_term, backend="flashlight")(*inputs)
+    got = torch.autograd.grad(out.sum(), inputs, allow_unused=True)
+    want = torch.autograd.grad(no_grad_term(*inputs).sum(), inputs, allow_unused=True)
+    assert [g is None for g in got] == [g is None for g in want] == [False, False, False, True, True]
+
+    def sum_under_autocast(q, k, v, qr, kr):
+        s1, s2 = q @ k.mT * 0.25, qr @ kr.mT * 0.3      # float32, outside the autocast block
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            s = s1 + s2
+            o = torch.softmax(s, -1).float() @ v.float()
+        return o, s
+    inputs = rope_inputs()
+    got, want = torch.compile(sum_under_autocast, backend="flashlight")(*inputs), sum_under_autocast(*inputs)
+    assert got[1].dtype == want[1].dtype == torch.float32
+    torch.testing.assert_close(got[1], want[1])
+
+
+def test_integer_products_and_zero_scales_are_not_joined():
+    def int_scores(q, k, v, qr, kr):
+        s = q @ k.mT * 0.05 + qr @ kr.mT * 0.1
+        return torch.softmax(s, -1).to(v.dtype) @ v
+    q, k, v, qr, kr = rope_inputs()
+    ints = [x.mul(2).round().long() for x in (q, k, qr, kr)]
+    check_fused(int_scores, ints[0], ints[1], v, ints[2], ints[3], score_numel=B * H * M * N + 1)
+    a, b, c, d = torch.randn(4, 8), torch.randn(8, 5), torch.randn(4, 3), torch.randn(3, 5)
+    n, _ = _joined(lambda a, b, c, d: torch.softmax(a @ b / 0.0 + c @ d, -1), a, b, c, d)
+    assert n == 0

@@ -10,9 +10,11 @@ rotary embeddings add a rotated product to an unrotated one. A region has one co
 an N x N bias. The concatenated operands are computed once outside the kernel (O(N D) memory,
 differentiated there), as a computed K operand already is (``rules.computed_operand``).
 
-Products with equal lengths are left alone (the region holds both as dots, DiffAttn's way). A
-per-term scale is a Python number (``mul`` / ``div`` by a scalar) folded into the first
-operand; a scale of 1 adds nothing. The pass rewrites only a sum a softmax-like op reads (the
+Products with equal lengths are left alone (the region holds both as dots, DiffAttn's way), and
+so are integer operands. A per-term scale is a Python number (``mul`` / ``div`` by a nonzero
+scalar): one both terms share multiplies the joined product, others are folded into the first
+operands. The joined product is computed where the sum was, so nothing between the earlier
+product and the sum may write a tensor in place or switch grad mode or autocast. The pass rewrites only a sum a softmax-like op reads (the
 scores of attention): elsewhere two products stay two products. ``join`` rewrites the ATen
 graph in place, tracing the joined product on the fake values of its operands (their shapes,
 dtypes and devices), and returns how many sums it joined.
@@ -27,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
+from . import sdpa
 from .rules import einsum_letters, expand_ellipsis
 
 aten = torch.ops.aten
@@ -52,7 +55,7 @@ def _term(n: fx.Node) -> Term | None:
     """``n`` as a product of two tensors times a Python number, or None."""
     scale = 1.0
     if n.op == "call_function" and n.target in SCALES and isinstance(n.args[1], (int, float)) and \
-            not isinstance(n.args[1], bool) and isinstance(n.args[0], fx.Node) and len(n.users) == 1:
+            not isinstance(n.args[1], bool) and n.args[1] != 0 and isinstance(n.args[0], fx.Node) and len(n.users) == 1:
         scale, n = SCALES[n.target](1.0, n.args[1]), n.args[0]
     if n.op != "call_function" or n.target not in PRODUCTS or len(n.users) != 1:
         return None
@@ -82,11 +85,25 @@ def _joinable(t1: Term, t2: Term) -> bool:
     if t1.product.target != t2.product.target or e1 != e2 or (ax1, ay1) != (ax2, ay2):
         return False
     x1, y1, x2, y2 = (_val(n) for n in (t1.x, t1.y, t2.x, t2.y))
-    if len({x1.dtype, y1.dtype, x2.dtype, y2.dtype}) != 1 or x1.dim() != x2.dim() or y1.dim() != y2.dim():
+    if len({x1.dtype, y1.dtype, x2.dtype, y2.dtype}) != 1 or not x1.dtype.is_floating_point or \
+            x1.dim() != x2.dim() or y1.dim() != y2.dim():
         return False
     rest = lambda s, ax: s[:ax] + s[ax + 1:]        # noqa: E731
     return x1.shape[ax1] != x2.shape[ax1] and rest(x1.shape, ax1) == rest(x2.shape, ax1) and \
         rest(y1.shape, ay1) == rest(y2.shape, ay1)
+
+
+def _undisturbed(first: fx.Node, last: fx.Node) -> bool:
+    """Nothing between ``first`` and ``last`` writes a tensor in place or switches grad mode or
+    autocast (a call that is no ATen op: ``_set_grad_enabled``, ``_enter_autocast``), so the
+    earlier product's operands read at ``last`` are what the product read, in the same modes."""
+    n = first.next
+    while n is not last and n.op != "root":
+        if n.op == "call_function" and n.target is not operator.getitem and (
+                not isinstance(n.target, torch._ops.OpOverload) or n.target._schema.is_mutable):
+            return False
+        n = n.next
+    return n is last
 
 
 def _feeds_softmax(n: fx.Node, depth: int = 12) -> bool:
@@ -112,10 +129,13 @@ def _joined(t1: Term, t2: Term, sign: float):
     if eq is not None:
         eq = eq.replace("#", next(ch for ch in string.ascii_letters if ch not in eq))
 
+    common = s1 if s1 == s2 else 1.0        # a shared scale multiplies the product, not an operand
+
     def fn(x1, y1, x2, y2):
-        x = torch.cat([x1 if s1 == 1 else x1 * s1, x2 if s2 == 1 else x2 * s2], ax)
+        x = torch.cat([x1 if s1 == common else x1 * s1, x2 if s2 == common else x2 * s2], ax)
         y = torch.cat([y1, y2], ay)
-        return torch.matmul(x, y) if eq is None else torch.einsum(eq, x, y)
+        p = torch.matmul(x, y) if eq is None else torch.einsum(eq, x, y)
+        return p if common == 1 else p * common
     return fn
 
 
@@ -128,6 +148,9 @@ def join(gm: fx.GraphModule) -> int:
         t1, t2 = (_term(a) for a in n.args[:2])
         if t1 is None or t2 is None or not _joinable(t1, t2) or not _feeds_softmax(n):
             continue
+        position = {x: i for i, x in enumerate(gm.graph.nodes)}
+        if not _undisturbed(min(t1.product, t2.product, key=position.get), n):
+            continue
         operands = [t1.x, t1.y, t2.x, t2.y]
         sign = -1.0 if n.target == aten.sub.Tensor else 1.0
         sub = _compat.trace_on_fakes(_joined(t1, t2, sign), [_val(x) for x in operands])
@@ -137,6 +160,8 @@ def join(gm: fx.GraphModule) -> int:
         for new in env.values():
             if new not in operands:
                 new.meta.setdefault("stack_trace", n.meta.get("stack_trace"))
+                if sdpa.TAG in n.meta:      # part of a decomposed SDPA call's program
+                    new.meta[sdpa.TAG] = n.meta[sdpa.TAG]
         n.replace_all_uses_with(out)
         dead = [n, *(a for a in n.args[:2] if a not in (t1.product, t2.product)), t1.product, t2.product]
         for d in dict.fromkeys(dead):       # the sum, its scaled terms, their products

@@ -710,9 +710,10 @@ def expand_ellipsis(equation: str, ranks: list[int]) -> str:
 def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] | None:
     """(a, c, contracted, rows + cols order, ``order``) of a two-operand einsum with one
     contracted letter: the product in (batch..., rows, cols) order, which the output may permute.
-    The rows letter is the output's last letter only in ``a``, the cols letter its last only in
-    ``c``; other output letters are batch letters, which an operand that lacks them broadcasts
-    over: MQA's ``bhsd,btd->bhst`` (K and V shared by the heads), DeepSeek-V3's absorbed MLA
+    The rows letter is ``a``'s last output letter that ``c`` lacks, the cols letter ``c``'s last
+    that ``a`` lacks (each operand's own order, so the scores' and P @ V's einsums agree however
+    the output permutes them); other output letters are batch letters, which an operand that
+    lacks them broadcasts over: MQA's ``bhsd,btd->bhst`` (K and V shared by the heads), DeepSeek-V3's absorbed MLA
     ``bshc,btc->bsht`` (rows are the heads, as FlashMLA's decode kernel has them). None for
     anything else: a letter repeated in an operand (a diagonal), two contracted letters."""
     if "..." in equation or "->" not in equation:
@@ -724,8 +725,8 @@ def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] 
     if len(set(a)) != len(a) or len(set(c)) != len(c) or len(set(out)) != len(out):
         return None
     contracted = [ch for ch in a if ch in c and ch not in out]
-    rows = [ch for ch in out if ch in a and ch not in c]
-    cols = [ch for ch in out if ch in c and ch not in a]
+    rows = [ch for ch in a if ch in out and ch not in c]
+    cols = [ch for ch in c if ch in out and ch not in a]
     if len(contracted) != 1 or not rows or not cols or any(ch not in a + c for ch in out) or \
             any(ch not in out + contracted[0] for ch in a + c):
         return None
