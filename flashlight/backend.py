@@ -1,6 +1,7 @@
 """The ``torch.compile`` backend: a flat list of named passes over each Dynamo graph.
 
     to_aten        make_fx(pre_dispatch=True): ATen ops above autograd, user spellings normalised
+                   (SDPA calls decomposed: capture/sdpa.py; score products joined: capture/products.py)
     capture        find attention regions and build their IR          (capture/)
     verify         scoping checks                                     (ir/)
     rewrite        reduction algebra to a fixed point                 (rewrite/)

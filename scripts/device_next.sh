@@ -1,3 +1,4 @@
+# Session 27 ran S27A (an H100; its GPU tests and IPA --tune timed out, run again in a second call), then S27B.
 # Session 27's plan (session 26: docs/notes.md "Session 26"; three calls ran, all H100s, six tries got no
 #   machine): leave kind out (H100 or H200, whichever comes). First the GPU tests in full (part G; session
 #   26 ran only the bf16-gradient, fused-dQ and group-loop ones), then C26 again for IPA's dK/dV config
@@ -99,6 +100,39 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+S27B)  # session 27's second call (~6 min; carry .s27 = 499a14e): the new GPU tests (two products of
+    # different lengths joined into one dot, einsums whose K and V lack the head letter) and the bf16
+    # gradient ones (IPA at its new backward default: dK/dV 16x64 w4s4, dQ 64x32 w4s2), IPA's step at
+    # that default against Inductor, then benchmarks.joined here and at 499a14e (the second product an
+    # N x N tensor read back, the einsums unfused)
+  timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "joined_products or bf16_forward_and_gradients" \
+    > $OUT/test_gpu_s27b.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/test_gpu_s27b.txt | cut -c1-200
+  OUT=$OUT/ipa timeout -k 5 60 python3 -m benchmarks.backward --n 1024 --b 4 --variants ipa --inductor > $OUT/ipa.txt 2>&1
+  echo "ipa rc $?"; grep -v "^backward:" $OUT/ipa.txt | cut -c1-220
+  for tree in . .s27; do
+    name=joined_$([ $tree = . ] && echo new || echo old)
+    (cd $tree && OUT=$OUT/$name timeout -k 5 75 python3 -m benchmarks.joined > $OUT/$name.txt 2>&1)
+    echo "$name rc $?"; cut -c1-200 $OUT/$name.txt | grep -v "^W\|Warning" | tail -4
+  done
+  ;;
+S27A)  # session 27's first call: the GPU tests in full (part G), then IPA's training step with every kernel
+    # autotuned (--tune: is 64x64 dK/dV, which spills 4.4 KB offline, what the tuner keeps?) beside the
+    # default, then post_softmax's forward in two processes (session 26: 0.32 against 0.08 ms, same code)
+  bash "$0" G
+  for mode in default tune; do
+    name=s27_ipa_$mode
+    OUT=$OUT/$name timeout -k 5 110 python3 -m benchmarks.backward --n 1024 --b 4 --variants ipa \
+      $([ $mode = tune ] && echo --tune) $([ $mode = default ] && echo --inductor) > $OUT/$name.txt 2>&1
+    echo "$name rc $?"; grep -v "^backward:" $OUT/$name.txt | cut -c1-200
+  done
+  for rep in 1 2; do
+    name=s27_post_softmax_$rep
+    OUT=$OUT/$name timeout -k 5 60 python3 -m benchmarks.backward --n 1024 --b 4 --variants post_softmax,vanilla \
+      > $OUT/$name.txt 2>&1
+    echo "$name rc $?"; grep -v "^backward:" $OUT/$name.txt | cut -c1-200
+  done
+  ;;
 C26)  # session 26's third call (B26 timed before flashlight.wait() was in benchmarks.backward: a Gluon
     # kernel could take over mid-timing; sinks, ALiBi and DiffAttn, unchanged, moved 1.3-3x): the GPU
     # tests the gradient changes reach, then IPA's, Evoformer's and post_softmax's steps, this
