@@ -14,10 +14,11 @@ Products with equal lengths are left alone (the region holds both as dots, DiffA
 so are integer operands. A per-term scale is a Python number (``mul`` / ``div`` by a nonzero
 scalar): one both terms share multiplies the joined product, others are folded into the first
 operands. The joined product is computed where the sum was, so nothing between the earlier
-product and the sum may write a tensor in place or switch grad mode or autocast. The pass rewrites only a sum a softmax-like op reads (the
-scores of attention): elsewhere two products stay two products. ``join`` rewrites the ATen
-graph in place, tracing the joined product on the fake values of its operands (their shapes,
-dtypes and devices), and returns how many sums it joined.
+product and the sum may write a tensor in place or switch grad mode or autocast. The pass
+rewrites only a sum a softmax-like op reads (the scores of attention): elsewhere two products
+stay two products. ``join`` rewrites the ATen graph in place, tracing the joined product on the
+fake values of its operands (their shapes, dtypes and devices), and returns how many sums it
+joined.
 """
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ def _geometry(node: fx.Node) -> tuple[tuple[int, ...], int, int, int, tuple[int,
     shape = static_shape(meta(node))
     order = tuple(range(len(shape)))
     if packet(node) == aten.einsum:
-        letters = einsum_letters(expand_ellipsis(node.args[0], [meta(x).dim() if meta(x) is not None else -1 for x in ops]))
+        ranks = [meta(x).dim() if meta(x) is not None else -1 for x in ops]
+        letters = einsum_letters(expand_ellipsis(node.args[0], ranks))
         if letters is None:
             return None
         a, _, summed, _, order = letters

@@ -713,9 +713,10 @@ def einsum_letters(equation: str) -> tuple[str, str, str, str, tuple[int, ...]] 
     The rows letter is ``a``'s last output letter that ``c`` lacks, the cols letter ``c``'s last
     that ``a`` lacks (each operand's own order, so the scores' and P @ V's einsums agree however
     the output permutes them); other output letters are batch letters, which an operand that
-    lacks them broadcasts over: MQA's ``bhsd,btd->bhst`` (K and V shared by the heads), DeepSeek-V3's absorbed MLA
-    ``bshc,btc->bsht`` (rows are the heads, as FlashMLA's decode kernel has them). None for
-    anything else: a letter repeated in an operand (a diagonal), two contracted letters."""
+    lacks them broadcasts over: MQA's ``bhsd,btd->bhst`` (K and V shared by the heads),
+    DeepSeek-V3's absorbed MLA ``bshc,btc->bsht`` (rows are the heads, as FlashMLA's decode
+    kernel has them). None for anything else: a letter repeated in an operand (a diagonal), two
+    contracted letters, a letter summed out of one operand."""
     if "..." in equation or "->" not in equation:
         return None
     lhs, out = equation.replace(" ", "").split("->")
