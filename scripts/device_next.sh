@@ -1,3 +1,7 @@
+# Session 28's plan (session 27: docs/notes.md "Session 27"; three calls ran, all H100s; 54 GPU tests
+#   passed in full): leave kind out. If an H200 comes: F (the flex suite, issue #6's table on the H200),
+#   then TR with LIMIT=250 (issue #5's table). On an H100: S28 below (IPA at D=128 under the new
+#   many-loads backward default, against --tune; benchmarks.joined at D=128; the GPU tests in full).
 # Session 27 ran S27A (an H100; its GPU tests and IPA --tune timed out, run again in a second call), then S27B.
 # Session 27's plan (session 26: docs/notes.md "Session 26"; three calls ran, all H100s, six tries got no
 #   machine): leave kind out (H100 or H200, whichever comes). First the GPU tests in full (part G; session
@@ -100,6 +104,18 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+S28)  # session 28 on an H100 (~8 min): IPA at D=128 with the many-loads backward default (measured at
+    # D=64 only) against --tune, benchmarks.joined at D=128 (the rotary part 64: DK 192 in pieces 128 + 64),
+    # then the GPU tests in full (~260 s)
+  for mode in default tune; do
+    OUT=$OUT/ipa128_$mode timeout -k 5 120 python3 -m benchmarks.backward --n 1024 --b 4 --d 128 --variants ipa \
+      $([ $mode = tune ] && echo --tune || echo --inductor) > $OUT/ipa128_$mode.txt 2>&1
+    echo "ipa128_$mode rc $?"; grep -v "^backward:" $OUT/ipa128_$mode.txt | cut -c1-220
+  done
+  OUT=$OUT/joined128 timeout -k 5 90 python3 -m benchmarks.joined --d 128 --r 64 > $OUT/joined128.txt 2>&1
+  echo "joined128 rc $?"; grep -v "^W\|Warning" $OUT/joined128.txt | cut -c1-200 | tail -4
+  bash "$0" G
+  ;;
 S27B)  # session 27's second call (~6 min; carry .s27 = 499a14e): the new GPU tests (two products of
     # different lengths joined into one dot, einsums whose K and V lack the head letter) and the bf16
     # gradient ones (IPA at its new backward default: dK/dV 16x64 w4s4, dQ 64x32 w4s2), IPA's step at
@@ -254,8 +270,8 @@ W1)  # session 23: RoPE's training rows with the rotated Q loaded (capture.rules
   timeout -k 10 90 python3 -m benchmarks.backward_configs --variants document_mask --d 128 --kernels dq \
     --out $OUT/dq 2>&1 | nogrep | cut -c1-150 | tail -10
   ;;
-G)  # the GPU tests alone (~4 min)
-  timeout -k 10 220 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
+G)  # the GPU tests alone (~4.5 min on an H100: 258 s in session 27)
+  timeout -k 10 330 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py > $OUT/test_gpu.txt 2>&1
   echo "test_gpu rc $?"; tail -12 $OUT/test_gpu.txt | cut -c1-300
   ;;
 N1)  # session 19 (plan above)
