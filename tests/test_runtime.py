@@ -144,6 +144,12 @@ def test_backward_defaults_follow_the_mask_and_the_score_tiles():
     assert defaults("document_mask", 64)[1] == Config(64, 32, 4, 4) != defaults("causal", 64)[1]
     assert defaults("sdpa_document", 128)[1] == doc[1] != defaults("key_padding", 128)[1]
     assert defaults("ipa", 64) == (Config(16, 64, 4, 4), Config(64, 32, 4, 2)) != defaults("evoformer", 64)
+    # fewer query rows than a tile holds: tiles of the rows there are (16 at least)
+    few = lambda M: tuple(op.REGISTRY[flashlight.explain(causal.attention, *causal.make_inputs(     # noqa: E731
+        B=1, H=2, M=M, D=128)).regions[0].key].default_config(k) for k in ("dkdv", "dq"))
+    assert [c.BLOCK_M for c in few(5)] == [16, 16] and [c.BLOCK_M for c in few(20)] == [32, 32]
+    from flashlight.tune import fit_rows
+    assert few(5)[1].num_warps == 4 and fit_rows(Config(128, 64, 8, 3), 300) == Config(128, 64, 8, 3)
 
 
 def test_max_autotune_mode_reaches_the_compiled_region():

@@ -32,7 +32,7 @@ from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
 from ..ir.region import body_loads, from_output, rowstat_columns
 from ..sparsity import STAT_BLOCK, dead_predicate, reads_loaded_rows, useful
 from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
-                    cdiv, head_block, heuristic, pow2, smaller)
+                    cdiv, fit_rows, head_block, heuristic, pow2, smaller)
 from . import background, decode, descriptors, gluon
 from .backward import BackwardKernels, fused_dq, group_loop
 from .buffers import unwritten
@@ -304,7 +304,7 @@ class CompiledRegion:
         r = self.region
         block_d = max(head_block(r.DK), head_block(r.DV))
         return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-            backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows, self.body_loads)
+            fit_rows(backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows, self.body_loads), r.M)
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what

@@ -166,6 +166,16 @@ def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: 
     return backward_candidates(block_d, kernel)[0]
 
 
+def fit_rows(cfg: Config, M: int) -> Config:
+    """``cfg`` with at most the query rows there are: where M < BLOCK_M a backward tile computes
+    masked rows (DeepSeek's absorbed MLA has 16 rows, its heads, per batch element: the dQ
+    kernel's 128-row tiles at D=128 were 7/8 padding), so BLOCK_M shrinks to the power of two
+    that holds M (16 at least, ``tl.dot``'s minimum) in at most 4 warps. Not measured yet."""
+    if M >= cfg.BLOCK_M:
+        return cfg
+    return Config(max(16, pow2(M)), cfg.BLOCK_N, min(cfg.num_warps, 4), cfg.num_stages)
+
+
 # The row-gradient kernel's GPU config: elementwise over [BLOCK_M, DV] tiles (BLOCK_N unused), in
 # 8 warps: an epilogue's derivative keeps several tiles live (DiffAttn's RMSNorm: offline sm_90
 # compiles at DV = 128 spill 20 KB per thread with 64 rows in 4 warps, none in 8). 32 rows: on the
