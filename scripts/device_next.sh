@@ -1,7 +1,9 @@
 # Session 28's plan (session 27: docs/notes.md "Session 27"; three calls ran, all H100s; 54 GPU tests
 #   passed in full): leave kind out. If an H200 comes: F (the flex suite, issue #6's table on the H200),
 #   then TR with LIMIT=250 (issue #5's table). On an H100: S28 below (IPA at D=128 under the new
-#   many-loads backward default, against --tune; benchmarks.joined at D=128; the GPU tests in full).
+#   many-loads backward default, against --tune; benchmarks.joined at D=128, and at D=64 against
+#   e058c67 for fit_rows, the 16-row backward tiles of the absorbed MLA: prepare .s28 with
+#   git archive e058c67 | (mkdir -p .s28 && tar -x -C .s28), carry it; the GPU tests in full).
 # Session 27 ran S27A (an H100; its GPU tests and IPA --tune timed out, run again in a second call), then S27B.
 # Session 27's plan (session 26: docs/notes.md "Session 26"; three calls ran, all H100s, six tries got no
 #   machine): leave kind out (H100 or H200, whichever comes). First the GPU tests in full (part G; session
@@ -104,7 +106,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
-S28)  # session 28 on an H100 (~8 min): IPA at D=128 with the many-loads backward default (measured at
+S28)  # session 28 on an H100 (~9.5 min; carry .s28): IPA at D=128 with the many-loads backward default (measured at
     # D=64 only) against --tune, benchmarks.joined at D=128 (the rotary part 64: DK 192 in pieces 128 + 64),
     # then the GPU tests in full (~260 s)
   for mode in default tune; do
@@ -114,6 +116,10 @@ S28)  # session 28 on an H100 (~8 min): IPA at D=128 with the many-loads backwar
   done
   OUT=$OUT/joined128 timeout -k 5 90 python3 -m benchmarks.joined --d 128 --r 64 > $OUT/joined128.txt 2>&1
   echo "joined128 rc $?"; grep -v "^W\|Warning" $OUT/joined128.txt | cut -c1-200 | tail -4
+  for tree in . .s28; do      # fit_rows (16-row backward tiles) against e058c67
+    (cd $tree && OUT=$OUT/joined64_${tree#.} timeout -k 5 75 python3 -m benchmarks.joined > $OUT/joined64_${tree#.}.txt 2>&1)
+    echo "joined64 at $tree rc $?"; grep -v "^W\|Warning" $OUT/joined64_${tree#.}.txt | cut -c1-200 | tail -3
+  done
   bash "$0" G
   ;;
 S27B)  # session 27's second call (~6 min; carry .s27 = 499a14e): the new GPU tests (two products of
