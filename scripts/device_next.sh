@@ -3,7 +3,7 @@
 #   then TR with LIMIT=250 (issue #5's table). On an H100: S28 below (IPA at D=128 under the new
 #   many-loads backward default, against --tune; benchmarks.joined at D=128, and at D=64 against
 #   e058c67 for fit_rows, the 16-row backward tiles of the absorbed MLA: prepare .s28 with
-#   git archive e058c67 | (mkdir -p .s28 && tar -x -C .s28), carry it; the GPU tests in full).
+#   git archive e058c67 | (mkdir -p .s28 && tar -x -C .s28), carry it), then G (the GPU tests in full).
 # Session 27 ran S27A (an H100; its GPU tests and IPA --tune timed out, run again in a second call), then S27B.
 # Session 27's plan (session 26: docs/notes.md "Session 26"; three calls ran, all H100s, six tries got no
 #   machine): leave kind out (H100 or H200, whichever comes). First the GPU tests in full (part G; session
@@ -106,9 +106,9 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
-S28)  # session 28 on an H100 (~9.5 min; carry .s28): IPA at D=128 with the many-loads backward default (measured at
+S28)  # session 28 on an H100 (~6.5 min; carry .s28; then G in its own call): IPA at D=128 with the many-loads backward default (measured at
     # D=64 only) against --tune, benchmarks.joined at D=128 (the rotary part 64: DK 192 in pieces 128 + 64),
-    # then the GPU tests in full (~260 s)
+    # and at D=64 here and at e058c67 (fit_rows)
   for mode in default tune; do
     OUT=$OUT/ipa128_$mode timeout -k 5 120 python3 -m benchmarks.backward --n 1024 --b 4 --d 128 --variants ipa \
       $([ $mode = tune ] && echo --tune || echo --inductor) > $OUT/ipa128_$mode.txt 2>&1
@@ -120,7 +120,6 @@ S28)  # session 28 on an H100 (~9.5 min; carry .s28): IPA at D=128 with the many
     (cd $tree && OUT=$OUT/joined64_${tree#.} timeout -k 5 75 python3 -m benchmarks.joined > $OUT/joined64_${tree#.}.txt 2>&1)
     echo "joined64 at $tree rc $?"; grep -v "^W\|Warning" $OUT/joined64_${tree#.}.txt | cut -c1-200 | tail -3
   done
-  bash "$0" G
   ;;
 S27B)  # session 27's second call (~6 min; carry .s27 = 499a14e): the new GPU tests (two products of
     # different lengths joined into one dot, einsums whose K and V lack the head letter) and the bf16
