@@ -3,14 +3,17 @@ float64 eager. ``python -m flashlight.fuzz --count 2000 --seed 0`` (set TRITON_I
 machine without a GPU so the generated kernels themselves run).
 
 Each program draws: shapes (primes included), layout (BHSD or BSHD), where the scale goes, GQA
-and its spelling, a mask (none, causal, window, prefix, document ids, key padding, a boolean
-tensor) and its fill value (-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
+and its spelling (K and V of one head left to the products' broadcasting among them), a mask
+(none, causal, window, prefix, document ids, key padding, a boolean tensor) and its fill value
+(-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
 the softmax spelling, a second softmax map over the same V combined with the first (DiffAttn's
 difference with a learned λ, or a mean), an epilogue (a head-merging reshape, an RMSNorm, a
 sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss); or the map
 spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``; q, k and v
 as slices of one packed projection; positions on q and k (rotary embeddings, or learned tables
-added to them). The program is plain PyTorch, built from closures.
+added to them); the products as matmuls or einsums (with or without ``...``), and a second
+score product over its own dims added (decoupled RoPE). The program is plain PyTorch, built
+from closures.
 """
 from __future__ import annotations
 
@@ -90,6 +93,20 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         extra["gate"] = rand(B, H, M, Dv)
     names = list(extra)
 
+    def scores(a, b):                       # a @ b^T in the drawn spelling
+        if contract == "einsum":
+            return torch.einsum("bhmd,bhnd->bhmn", a, b)
+        if contract == "ellipsis":
+            return torch.einsum("... m d, ... n d -> ... m n", a, b)
+        return a @ b.transpose(-2, -1)
+
+    def apply(p, v):                        # p @ v in the drawn spelling
+        if contract == "einsum":
+            return torch.einsum("bhmn,bhnd->bhmd", p, v)
+        if contract == "ellipsis":
+            return torch.einsum("... m n, ... n d -> ... m d", p, v)
+        return p @ v
+
     def program(q, k, v, *xs, oracle=False):
         ex = dict(zip(names, xs))
         if stop in ("k", "v"):              # a stopped gradient: no gradient reaches it
@@ -98,7 +115,9 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             q, k = (x * ex["cos"][:n] + rotate_half(x) * ex["sin"][:n] for x, n in ((q, M), (k, N)))
         elif position == "table":           # learned absolute positions added to q and k
             q, k = q + ex["pos_q"], k + ex["pos_k"]
-        if gqa == "expand":
+        if kv_broadcast:                    # K and V of one head, broadcast by the products
+            pass
+        elif gqa == "expand":
             k = k[:, :, None].expand(B, Hkv, H, N, D).reshape(B, H, N, D)
             v = v[:, :, None].expand(B, Hkv, H, N, Dv).reshape(B, H, N, Dv)
         elif gqa == "repeat_interleave":
@@ -110,7 +129,9 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         scale = D ** -0.5
         if scale_at == "q":
             q = q * scale
-        s = q @ k.transpose(-2, -1)
+        s = scores(q, k)
+        if "qr" in ex:                      # a second product over its own dims (decoupled RoPE)
+            s = s + scores(ex["qr"], ex["kr"]) * 0.3
         if scale_at == "scores_mul":
             s = s * scale
         elif scale_at == "scores_div":
@@ -123,7 +144,7 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             s = 0.5 * (s + s.detach())
         elif stop == "no_grad":             # a score-sized term computed without gradient
             with torch.no_grad():
-                term = torch.tanh(q @ k.transpose(-2, -1) * 0.1)
+                term = torch.tanh(scores(q, k) * 0.1)
             s = s + term
         qi = torch.arange(M)[:, None]
         ki = torch.arange(N)[None, :]
@@ -171,14 +192,14 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
                 p = p[..., :N]
             if oracle and second != "none":
                 p = p.nan_to_num(0.0)       # a fully masked row of this map adds 0, not NaN
-            o = p @ v
+            o = apply(p, v)
         if second != "none":                # a second, causal map at another temperature, same V
-            s2 = (q @ k.transpose(-2, -1)) * (0.5 * D ** -0.5)
+            s2 = scores(q, k) * (0.5 * D ** -0.5)
             p2 = torch.softmax(s2.masked_fill(ki > qi, float("-inf")), dim=-1)
             if combined:                    # the maps mixed before the product (the DIFF Transformer's code)
-                o = ((p - ex["lam"] * p2) if second == "difference" else 0.5 * (p + p2)) @ v
+                o = apply((p - ex["lam"] * p2) if second == "difference" else 0.5 * (p + p2), v)
             else:
-                o = o - ex["lam"] * (p2 @ v) if second == "difference" else 0.5 * (o + p2 @ v)
+                o = o - ex["lam"] * apply(p2, v) if second == "difference" else 0.5 * (o + apply(p2, v))
         if epilogue == "merge_heads":       # [B, M, H * Dv], a permuted store
             return o.transpose(1, 2).reshape(B, M, H * Dv)
         if epilogue == "rmsnorm":           # a dv-sum in the epilogue
@@ -221,11 +242,20 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     elif position == "table":
         extra["pos_q"], extra["pos_k"] = 0.5 * rand(M, D), 0.5 * rand(N, D)
     names += [n for n in ("cos", "sin", "pos_q", "pos_k") if n in extra]
+    # the products as einsums, with or without ellipses; K and V of one head left to the products'
+    # broadcasting; a second score product over its own dims, added (drawn last, likewise)
+    contract = rng.choice(["matmul"] * 4 + ["einsum", "ellipsis"])
+    kv_broadcast = Hkv == 1 and H > 1 and not sdpa and rng.random() < 0.4
+    if not sdpa and rng.random() < 0.15:
+        R = rng.choice([4, 8, 12])
+        extra["qr"], extra["kr"] = rand(B, H, M, R), rand(B, H if not kv_broadcast else 1, N, R)
+        names += ["qr", "kr"]
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
-            f"combined={combined} nan_scores={nan_scores} position={position}")
+            f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
+            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program
