@@ -246,7 +246,7 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # broadcasting; a second score product over its own dims, added (drawn last, likewise)
     contract = rng.choice(["matmul"] * 4 + ["einsum", "ellipsis"])
     kv_broadcast = Hkv == 1 and H > 1 and not sdpa and rng.random() < 0.4
-    if not sdpa and rng.random() < 0.15:
+    if not sdpa and not sizes and rng.random() < 0.15:      # not where the caller fixed the head dims
         R = rng.choice([4, 8, 12])
         extra["qr"], extra["kr"] = rand(B, H, M, R), rand(B, H if not kv_broadcast else 1, N, R)
         names += ["qr", "kr"]
