@@ -387,6 +387,15 @@ def _used(x: Expr) -> set[str]:
     return set().union(*(free_vars(i) for i in x.args[1]))
 
 
+def tile_sum(x: str, axes: set[str], rows: str, cols: str, keep_dims: bool) -> str:
+    """The sum of tile ``x`` over ``axes`` (of its ``rows`` and ``cols``): one dim kept as 1, or
+    both (a [1, 1] tile where ``keep_dims``, else a scalar)."""
+    if axes == {rows, cols}:
+        kd = ", keep_dims=True" if keep_dims else ""
+        return f"tl.sum(tl.sum({x}, 1{kd}), 0{kd})"
+    return f"tl.sum({x}, {0 if rows in axes else 1}, keep_dims=True)"
+
+
 def carry_init(carried: dict[Expr, str], ctx: Ctx) -> list[str]:
     """Zeros for each carried load's sum (``carried``: load -> register name): the tile
     ``ctx``'s shape, 1 along each axis its index does not use."""
@@ -400,7 +409,7 @@ def flush(em: Emitter, carried: dict[Expr, str], ctx: Ctx, block: Block, stored:
     """Write each carried load's sum (``carry_init``) once, after the loop."""
     rows, cols, _ = TILE[ctx.name]
     for x, acc in carried.items():
-        val = acc if _used(x) & {rows, cols} else f"tl.sum(tl.sum({acc}, 1), 0)"
+        val = acc if _used(x) & {rows, cols} else tile_sum(acc, {rows, cols}, rows, cols, keep_dims=False)
         ptr, mask = em.address(x, ctx, block, "g")
         block.lines.append(write(x, ptr, val, mask, stored))
 
@@ -488,12 +497,8 @@ def factored_sum(em: Emitter, g: Expr, ctx: Ctx, block: Block, axes: set[str], z
         if key not in sums:
             x = f"tl.broadcast_to({em.emit_reloaded(summand, ctx, block)}, {shape})"
             x = f"tl.where({zero}, {x}, 0.0)" if zero else x
-            if axes == {rows, cols}:
-                x = f"tl.sum(tl.sum({x}, 1, keep_dims=True), 0, keep_dims=True)"
-            else:
-                x = f"tl.sum({x}, {0 if rows in axes else 1}, keep_dims=True)"
             sums[key] = em.fresh("fs")
-            block.lines.append(f"{sums[key]} = {x}")
+            block.lines.append(f"{sums[key]} = {tile_sum(x, axes, rows, cols, keep_dims=True)}")
         parts.append(" * ".join([*(em.emit(f, ctx, block) for f in out), sums[key]]))
     return " + ".join(parts)
 
@@ -526,18 +531,14 @@ def scatter(em: Emitter, adjoints: dict[Expr, Expr], ctx: Ctx, block: Block,
         factored = axes and score and (val := factored_sum(em, g, ctx, block, axes, zero, sums)) is not None
         if factored:
             if len(axes) == 2:
-                val = f"tl.sum(tl.sum({val}, 1), 0)"       # [1, 1] -> the scalar the plain sum gives
+                val = tile_sum(val, axes, rows, cols, keep_dims=False)     # [1, 1] -> the scalar the plain sum gives
             zero = None     # the factors taken out are not masked: an out-of-range one can be inf
         else:
             val = f"tl.broadcast_to({em.emit(g, ctx, block)}, {shape})"
             if zero:
                 val = f"tl.where({zero}, {val}, 0.0)"
-            if rows not in used and cols not in used:
-                val = f"tl.sum(tl.sum({val}, 1), 0)"
-            elif rows not in used:
-                val = f"tl.sum({val}, 0, keep_dims=True)"
-            elif cols not in used:
-                val = f"tl.sum({val}, 1, keep_dims=True)"
+            if axes:
+                val = tile_sum(val, axes, rows, cols, keep_dims=False)
         if carried and x in carried:
             block.lines.append(f"{carried[x]} = {carried[x]} + {val}")
             continue
