@@ -32,6 +32,7 @@ import torch.fx as fx
 from .. import _compat
 from . import sdpa
 from .rules import einsum_letters, expand_ellipsis
+from .symbolic import meta
 
 aten = torch.ops.aten
 PRODUCTS = {aten.matmul.default, aten.einsum.default}
@@ -45,11 +46,9 @@ class Term:
     scale: float        # the term is product * scale
     x: fx.Node          # the product's operands
     y: fx.Node
-    equation: str | None = None     # an einsum's, its ellipses written as letters
-
-
-def _val(n) -> torch.Tensor | None:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
+    ax: int             # the contracted dim of x, and of y
+    ay: int
+    equation: str | None = None     # an einsum's, its ellipses written as letters, the contracted one ``#``
 
 
 def _term(n: fx.Node) -> Term | None:
@@ -64,34 +63,28 @@ def _term(n: fx.Node) -> Term | None:
     if einsum and len(n.args[1]) != 2:
         return None
     x, y = n.args[1] if einsum else n.args[:2]
-    if any(_val(t) is None or _val(t).dim() < 2 for t in (x, y)):
+    if any(meta(t) is None or meta(t).dim() < 2 for t in (x, y)):
         return None
-    eq = expand_ellipsis(n.args[0], [_val(x).dim(), _val(y).dim()]) if einsum else None
-    if einsum and einsum_letters(eq) is None:
+    if not einsum:
+        return Term(n, scale, x, y, meta(x).dim() - 1, meta(y).dim() - 2)
+    eq = expand_ellipsis(n.args[0], [meta(x).dim(), meta(y).dim()])
+    letters = einsum_letters(eq)
+    if letters is None:
         return None
-    return Term(n, scale, x, y, eq)
-
-
-def _contracted(t: Term) -> tuple[int, int, str | None]:
-    """The contracted dim of each operand, and the einsum equation with that letter written ``#``
-    (None for matmul)."""
-    if t.product.target == aten.matmul.default:
-        return _val(t.x).dim() - 1, _val(t.y).dim() - 2, None
-    a, c, k, _, _ = einsum_letters(t.equation)
-    return a.index(k), c.index(k), t.equation.replace(k, "#")
+    a, c, k, _, _ = letters
+    return Term(n, scale, x, y, a.index(k), c.index(k), eq.replace(k, "#"))
 
 
 def _joinable(t1: Term, t2: Term) -> bool:
-    (ax1, ay1, e1), (ax2, ay2, e2) = _contracted(t1), _contracted(t2)
-    if t1.product.target != t2.product.target or e1 != e2 or (ax1, ay1) != (ax2, ay2):
+    if t1.product.target != t2.product.target or t1.equation != t2.equation or (t1.ax, t1.ay) != (t2.ax, t2.ay):
         return False
-    x1, y1, x2, y2 = (_val(n) for n in (t1.x, t1.y, t2.x, t2.y))
+    x1, y1, x2, y2 = (meta(n) for n in (t1.x, t1.y, t2.x, t2.y))
     if len({x1.dtype, y1.dtype, x2.dtype, y2.dtype}) != 1 or not x1.dtype.is_floating_point or \
             x1.dim() != x2.dim() or y1.dim() != y2.dim():
         return False
     rest = lambda s, ax: s[:ax] + s[ax + 1:]        # noqa: E731
-    return x1.shape[ax1] != x2.shape[ax1] and rest(x1.shape, ax1) == rest(x2.shape, ax1) and \
-        rest(y1.shape, ay1) == rest(y2.shape, ay1)
+    return x1.shape[t1.ax] != x2.shape[t1.ax] and rest(x1.shape, t1.ax) == rest(x2.shape, t1.ax) and \
+        rest(y1.shape, t1.ay) == rest(y2.shape, t1.ay)
 
 
 def _undisturbed(first: fx.Node, last: fx.Node) -> bool:
@@ -125,7 +118,7 @@ def _feeds_softmax(n: fx.Node, depth: int = 12) -> bool:
 
 
 def _joined(t1: Term, t2: Term, sign: float):
-    ax, ay, eq = _contracted(t1)
+    ax, ay, eq = t1.ax, t1.ay, t1.equation
     s1, s2 = t1.scale, t2.scale * sign
     if eq is not None:
         eq = eq.replace("#", next(ch for ch in string.ascii_letters if ch not in eq))
@@ -154,7 +147,7 @@ def join(gm: fx.GraphModule) -> int:
             continue
         operands = [t1.x, t1.y, t2.x, t2.y]
         sign = -1.0 if n.target == aten.sub.Tensor else 1.0
-        sub = _compat.trace_on_fakes(_joined(t1, t2, sign), [_val(x) for x in operands])
+        sub = _compat.trace_on_fakes(_joined(t1, t2, sign), [meta(x) for x in operands])
         env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], operands))
         with gm.graph.inserting_before(n):
             out = gm.graph.graph_copy(sub.graph, env)
