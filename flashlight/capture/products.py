@@ -15,7 +15,8 @@ so are integer operands. A per-term scale is a Python number (``mul`` / ``div`` 
 scalar): one both terms share multiplies the joined product, others are folded into the first
 operands. The joined product is computed where the sum was, so nothing between the earlier
 product and the sum may write a tensor in place or switch grad mode or autocast. The pass
-rewrites only a sum a softmax-like op reads (the scores of attention): elsewhere two products
+rewrites only a sum a softmax-like op reads (``regions.SOFTMAX_LIKE``: the scores of attention,
+a softmax written by hand with ``exp`` included): elsewhere two products
 stay two products. ``join`` rewrites the ATen graph in place, tracing the joined product on the
 fake values of its operands (their shapes, dtypes and devices), and returns how many sums it
 joined.
@@ -31,13 +32,14 @@ import torch.fx as fx
 
 from .. import _compat
 from . import sdpa
+from .epilogue import packet
+from .regions import SOFTMAX_LIKE
 from .rules import einsum_letters, expand_ellipsis
 from .symbolic import meta
 
 aten = torch.ops.aten
 PRODUCTS = {aten.matmul.default, aten.einsum.default}
 SCALES = {aten.mul.Tensor: operator.mul, aten.div.Tensor: operator.truediv}
-SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
 
 
 @dataclass
@@ -109,7 +111,7 @@ def _feeds_softmax(n: fx.Node, depth: int = 12) -> bool:
             if x in seen:
                 continue
             seen.add(x)
-            if x.op == "call_function" and x.target in SOFTMAX:
+            if packet(x) in SOFTMAX_LIKE:
                 return True
             if x.op == "call_function" and x.target not in PRODUCTS:
                 nxt.extend(x.users)
