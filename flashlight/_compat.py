@@ -77,6 +77,18 @@ def register_backend(name: str, fn) -> None:
         _register(compiler_fn=fn, name=name)
 
 
+def is_aten_op(target) -> bool:
+    """An ATen operator overload (``torch._ops.OpOverload``: private, stable across 2.11-2.13),
+    not a Python callable such as a grad-mode or autocast switch."""
+    from torch._ops import OpOverload
+    return isinstance(target, OpOverload)
+
+
+def mutates(target) -> bool:
+    """An ATen op that writes one of its arguments (its schema is mutable: ``mul_``, ``copy_``)."""
+    return is_aten_op(target) and target._schema.is_mutable
+
+
 def first_argument_alias(target) -> str:
     """How an ATen op's result relates to its first argument, from its schema (``OpOverload._schema``:
     private, stable across 2.11-2.13): ``"write"`` (an in-place op: ``fill_``, ``mul_``),

@@ -55,14 +55,14 @@ def make_explicit(graph: fx.Graph, outside: dict[str, torch.dtype]) -> bool:
         for n in list(graph.nodes):
             if _compat.autocast_switch(n):
                 state = after(n, state, before)
-            elif n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload)
+            elif n.op == "call_function" and (_compat.is_aten_op(n.target)
                                               or n.target is operator.getitem):
                 changed |= _rerun(graph, n, state, movable)
     return changed
 
 
 def _mutates(n: fx.Node) -> bool:
-    return isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+    return _compat.mutates(n.target)
 
 
 def after(n: fx.Node, state: dict, before: dict) -> dict:

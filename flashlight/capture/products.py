@@ -96,7 +96,7 @@ def _undisturbed(first: fx.Node, last: fx.Node) -> bool:
     n = first.next
     while n is not last and n.op != "root":
         if n.op == "call_function" and n.target is not operator.getitem and (
-                not isinstance(n.target, torch._ops.OpOverload) or n.target._schema.is_mutable):
+                not _compat.is_aten_op(n.target) or _compat.mutates(n.target)):
             return False
         n = n.next
     return n is last
