@@ -8,6 +8,7 @@ import torch
 from .capture import Fallback
 from .capture.sdpa import OP as SDPA_OP
 from .ir import Region, free_vars, refs, walk
+from .ir.region import shift_gradients
 
 
 def features(region: Region) -> list[str]:
@@ -44,6 +45,8 @@ def features(region: Region) -> list[str]:
         feats.add(f"{len(region.passes())}-pass")
     if any(r.extra is not None for r in region.reductions):
         feats.add("sink")
+    if shift_gradients(region):
+        feats.add("shift-gradient")     # the output depends on a max shift: its argmax is saved
     if len(region.dots) > 1:
         feats.add(f"{len(region.dots)}-scores")
     if refs(region.out, "load"):

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import flashlight
-from flashlight.codegen.backward import backward_support, degree
+from flashlight.codegen.backward import backward_support
+from flashlight.ir.region import degree, shift_gradients
 from flashlight.examples import NAMES, VARIANTS
-from flashlight.ir import Input, Reduction, Region, call, load, red, var
+from flashlight.ir import Input, Reduction, Region, call, const, load, red, var
 from flashlight.ir.derivative import DERIVATIVE, vjp
 from flashlight.ir.evaluate import Evaluator
 from flashlight.testing import rel_error
@@ -414,19 +415,27 @@ def test_derivative_rows_match_torch_autograd(op):
         torch.testing.assert_close(got, want)
 
 
-def test_max_shift_must_cancel_in_the_output():
-    """The max is a constant in the backward only when the output is homogeneous of degree 0
-    in the sums it rescales: l / l yes, l alone (a logsumexp-like output) no."""
+def test_max_shift_takes_a_gradient_unless_it_cancels():
+    """The max is a constant in the backward when the output is homogeneous of degree 0 in the
+    sums it rescales (l / l); otherwise (l alone, a logsumexp-like output; the max read back) it
+    is in ``shift_gradients`` and the generated backward takes it at the argmax — unless its
+    extra element is a load (a sink logit would take the gradient) or its body reads another
+    reduction."""
     s = load(0, (var("b0"), var("m"), var("n")), "f")
     r = _region(lambda a, b, g: a)
     r.reductions = [Reduction("max", s), Reduction("sum", call("exp", s - red(0)), online=0)]
     assert degree(call("div_safe", red(1), red(1)), {1}) == 0 and degree(red(1), {1}) == 1
     r.out = call("sigmoid", call("div", red(1), red(1)))
-    assert backward_support(r) is None
-    r.out = red(1)
-    assert "not invariant" in backward_support(r)
-    r.out = red(0)
-    assert "reads the maximum" in backward_support(r)
+    assert backward_support(r) is None and shift_gradients(r) == []
+    for out in (red(1), red(0), call("div", red(1), call("add", red(1), const(1e-3)))):
+        r.out = out
+        assert backward_support(r) is None and shift_gradients(r) == [0]
+    r.reductions[0] = Reduction("max", s, extra=load(1, (var("b0"), var("m"), var("n")), "f"))
+    assert "extra element" in backward_support(r)
+    r.reductions = [Reduction("sum", s), Reduction("max", s * red(0)),
+                    Reduction("sum", call("exp", s - red(1)), online=1)]
+    r.out = red(2)
+    assert "reads other reductions" in backward_support(r)
 
 
 def _stopped_programs():

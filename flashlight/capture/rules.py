@@ -295,11 +295,25 @@ def _reshape(b, node, x, *_, **__):
     return view(b, node, x, lambda idx: relinearize(idx, shape, in_shape, node))
 
 
+def _item(b, node, parent, i):
+    """``parent[i]`` of an op returning several tensors (``ITEMS``)."""
+    rule = ITEMS.get(getattr(parent.target, "overloadpacket", None)) if isinstance(parent, fx.Node) else None
+    return rule(b, node, parent, i) if rule else None
+
+
+def _values(b, node, parent, i):
+    """``torch.max(x, dim).values`` (``min``): the amax (amin) over the keys, where ``backward_support``
+    treats it as the shift it is (softpick's reference code spells its max this way). Their
+    indices stay leaves."""
+    if i != 0 or parent.target._overloadname != "dim":
+        return None
+    x, dim, *rest = parent.args
+    keepdim = rest[0] if rest else parent.kwargs.get("keepdim", False)
+    return (_amax if parent.target.overloadpacket == aten.max else _amin)(b, node, x, dim, keepdim)
+
+
 def _split_item(b, node, parent, i):
     """``split``/``chunk(x, ...)[i]``: a slice of x (DiffAttn's half-heads)."""
-    if not (isinstance(parent, fx.Node) and getattr(parent.target, "overloadpacket", None) in
-            (aten.split, aten.chunk, aten.split_with_sizes)):
-        return None
     x, size, *rest = parent.args
     dim = rest[0] if rest else parent.kwargs.get("dim", 0)
     sx = b.sym(x)
@@ -441,6 +455,11 @@ def _log_softmax(b, node, x, dim, *_, **__):
 
 def _amax(b, node, x, dims=(), keepdim=False):
     return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
+
+
+def _amin(b, node, x, dims=(), keepdim=False):     # min_n x = -max_n(-x)
+    return _reduce_last(b, node, x, dims, keepdim,
+                        lambda bb, body, size: call("neg", bb.add_reduction("max", call("neg", body), size=size)))
 
 
 def _sum_dv(b: Builder, node, x, scale: float) -> Sym:
@@ -811,6 +830,12 @@ RULES.update({
     aten.sin: unary("sin"), aten.cos: unary("cos"), aten.floor: unary("floor"),
     aten.ceil: unary("ceil"), aten.round: unary("round"), aten.nan_to_num: _nan_to_num,
     aten.square: lambda b, n, x: pointwise(b, n, lambda a: call("mul", a, a), x),
+    # float classes (softpick's ``where(x.isfinite(), ...)`` drops the masked scores)
+    aten.isfinite: lambda b, n, x: pointwise(b, n, lambda a: call("lt", call("abs", a), const(math.inf)), x),
+    aten.isinf: lambda b, n, x: pointwise(b, n, lambda a: call("eq", call("abs", a), const(math.inf)), x),
+    aten.isposinf: lambda b, n, x: pointwise(b, n, lambda a: call("eq", a, const(math.inf)), x),
+    aten.isneginf: lambda b, n, x: pointwise(b, n, lambda a: call("eq", a, const(-math.inf)), x),
+    aten.isnan: lambda b, n, x: pointwise(b, n, lambda a: call("ne", a, a), x),
     # comparisons and logic
     aten.eq: binary("eq"), aten.ne: binary("ne"), aten.lt: binary("lt"), aten.le: binary("le"),
     aten.gt: binary("gt"), aten.ge: binary("ge"),
@@ -845,9 +870,12 @@ RULES.update({
     # reductions over the key dim
     aten.softmax: _softmax, aten._softmax: _softmax, aten._safe_softmax: _softmax,
     aten.log_softmax: _log_softmax, aten._log_softmax: _log_softmax,
-    aten.amax: _amax, aten.sum: _sum, aten.mean: _mean, aten.logsumexp: _logsumexp,
+    aten.amax: _amax, aten.amin: _amin, aten.sum: _sum, aten.mean: _mean, aten.logsumexp: _logsumexp,
     # contractions
     aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum, aten.baddbmm: _baddbmm,
 })
-RULES[operator.getitem] = _split_item
+# ops returning several tensors: op -> rule for item i
+ITEMS = {aten.split: _split_item, aten.chunk: _split_item, aten.split_with_sizes: _split_item,
+         aten.max: _values, aten.min: _values}
+RULES[operator.getitem] = _item
 RULES.update({inplace: _inplace(op) for inplace, op in INPLACE.items()})

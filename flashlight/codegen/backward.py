@@ -32,7 +32,7 @@ import torch
 from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, walk
 from ..ir.derivative import ZERO, not_differentiable, tile, vjp
 from ..ir.expr import BINDS, children
-from ..ir.region import from_output, rowstat_columns
+from ..ir.region import argmax_columns, from_output, rowstat_columns, shift_gradients
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, carry_init, extra_seeds, flush, grad_plan, in_bounds, per_head, scatter
@@ -41,50 +41,20 @@ from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST
                      out_offsets, piece_ctx, piece_suffix, segment_bounds, short_expr)
 
 
-def _same(ds: list[int]) -> int | None:
-    return ds[0] if all(d == ds[0] for d in ds) else None
-
-
-# Degree of homogeneity of an expression in a group of reductions G (all scaled by one factor c):
-# e(c r) = c^d e(r). Each row: op -> degrees of the arguments -> degree (None: not homogeneous).
-DEGREE: dict[str, Callable[[list[int]], int | None]] = {
-    "mul": lambda d: d[0] + d[1],
-    "div": lambda d: d[0] - d[1],
-    "div_safe": lambda d: d[0] - d[1],      # b == 0 iff c b == 0 (c > 0)
-    "add": _same, "sub": _same, "maximum": _same, "minimum": _same,
-    "neg": lambda d: d[0], "to_f": lambda d: d[0],
-    "where": lambda d: _same(d[1:]) if d[0] == 0 else None,
-}
-
-
-def degree(e: Expr, group: set[int]) -> int | None:
-    """Ops without a row are homogeneous of degree 0 when their arguments are (sigmoid(a/l))."""
-    memo: dict[Expr, int | None] = {}
-    for x in walk(e):
-        if x.op == "red":
-            memo[x] = 1 if x.args[0] in group else 0
-            continue
-        args = [memo[a] for a in x.args if isinstance(a, Expr)] if x.op != "load" else []
-        if any(d is None for d in args):
-            memo[x] = None
-        elif x.op in DEGREE:
-            memo[x] = DEGREE[x.op](args)
-        else:
-            memo[x] = 0 if all(d == 0 for d in args) else None
-    return memo[e]
-
-
 def backward_support(region: Region) -> str | None:
     """Why the generated backward cannot handle ``region`` (None: it can).
 
     A max reduction m only shifts the sums it rescales (``online``): they scale as exp(-m), so
     when the output is homogeneous of degree 0 in them the total derivative through m is zero and
-    m is a constant in the backward. Bodies may read no other reduction (a row gradient of a sum
+    m is a constant in the backward; else (``shift_gradients``) dL/dm reaches the score at the
+    argmax the forward saved, which needs a body of scores and loads and a constant extra
+    element (the argmax may be it). Sum bodies may read no other reduction (a row gradient of a sum
     read inside a body would need a pass over N before the tile loop). A sink element (``extra``:
     one more row-level element) shifts with the max too; a sum's gets its row gradient in the
     row kernel, which scatters it into the loads it reads (the sink logits)."""
     if region.rows:
         return "the region has extra row outputs (flashlight::region_rows: the reference VJP)"
+    shifted = shift_gradients(region)
     for j, r in enumerate(region.reductions):
         if r.extra is not None:
             inner = {v for v in free_vars(r.extra) if not v.startswith("b")} - {"m"}
@@ -94,17 +64,19 @@ def backward_support(region: Region) -> str | None:
             if op:
                 return f"no derivative rule for {op}"
         if r.kind == "max":
-            if j in refs(region.out, "red"):
-                return f"the output reads the maximum red{j} itself"
-            group = {k for k, o in enumerate(region.reductions) if o.online == j}
-            if degree(region.out, group) != 0:
-                return f"the output is not invariant to the shift red{j}"
+            if j not in shifted:
+                continue
+            if refs(r.body, "red"):
+                return f"red{j}, a max taking a gradient, reads other reductions"
+            if r.extra is not None and r.extra.op != "const":
+                return f"red{j}'s extra element would take the gradient of its shift"
             continue
         other = refs(r.body, "red") - {r.online}
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
     exprs = [region.out] + [e for d in region.dots for e in (d.q, d.k)]
-    exprs += [e for r in region.reductions if r.kind != "max" for e in (r.body, r.v) if e is not None]
+    exprs += [e for j, r in enumerate(region.reductions) if r.kind != "max" or j in shifted
+              for e in (r.body, r.v) if e is not None]
     for e in exprs:
         op = not_differentiable(e)
         if op:
@@ -264,6 +236,15 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
         else:       # named: a sink element's gradient reads it (``extra_seeds``)
             block.lines += [f"dr{j} = tl.sum({g}, 1, keep_dims=True)",
                             f"tl.store(drow_ptr + row + {cols[j]}, dr{j}, mask=mask_m[:, None])"]
+    for j in shift_gradients(region):    # dL/dm = dL/dm|direct - c sum_k <dL/dr_k, r_k>, r_k ~ exp(-c m)
+        c = const(math.log(2.0) if region.reductions[j].base2 else 1.0)
+        total = adjoints.get(red(j), ZERO)
+        for k, o in enumerate(region.reductions):
+            if o.online == j and red(k) in adjoints:
+                total = call("sub", total, call("mul", call("mul", adjoints[red(k)], red(k)), c))
+        g = f"tl.where(mask_o, tl.broadcast_to({em.emit(total, CTX_O, block)}, [BLOCK_M, BLOCK_DV]), 0.0)"
+        block.lines += [f"dr{j} = tl.sum({g}, 1, keep_dims=True)  # the shift's gradient, for its argmax key",
+                        f"tl.store(drow_ptr + row + {cols[j]}, dr{j}, mask=mask_m[:, None])"]
     scatter(em, adjoints, CTX_O, block, plan.stored, "mask_o")
     scatter(em, vjp(extra_seeds(region, plan.members)), CTX_ROW, block, plan.stored, "mask_m[:, None]")
     args = tensor_args(region, "in", range(len(region.inputs))) + tensor_args(region, "g", plan.written("rows"))
@@ -391,6 +372,11 @@ class TileWriter(KernelWriter):
             if rd.kind == "max":
                 block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
                 self.em.red_names[j] = f"r{j}_s"
+                if j in self.plan.members:      # its gradient, and the key it reaches (-1: none)
+                    block.lines += [
+                        f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}",
+                        f"am{j} = tl.load(rowstats_ptr + {row} + {argmax_columns(self.r)[j]}, mask=mask_m, "
+                        f"other=-1.0).to(tl.int32){vec}"]
             elif j not in self.plan.members:
                 continue
             elif rd.kind == "sum":
@@ -440,6 +426,10 @@ class TileWriter(KernelWriter):
         for j in self.plan.members:
             rd = r.reductions[j]
             body = full_body(rd.body) if full else rd.body
+            if rd.kind == "max":       # d body = dL/dm at the argmax key, 0 elsewhere
+                hit = f"offs_n[:, None] == am{j}" if self.transposed else f"offs_n[None, :] == am{j}"
+                loop.lines.append(f"db{j} = tl.where(mask_mn & ({hit}), dr{j}, 0.0)")
+                continue
             if rd.kind == "sum":       # d body = dR_j, broadcast along n
                 loop.lines.append(f"db{j} = tl.where(mask_mn, dr{j}, 0.0)")
                 continue

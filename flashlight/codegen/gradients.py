@@ -30,6 +30,7 @@ from typing import NamedTuple
 from ..ir import Expr, Region, dot, free_vars, red, refs, substitute, walk
 from ..ir.derivative import tile, vjp
 from ..ir.expr import is_const, var
+from ..ir.region import shift_gradients
 from ..sparsity import dead_predicate, full_predicate
 from .emit import Block, Ctx, Emitter
 from .kernel import TILE
@@ -74,7 +75,8 @@ class GradPlan:
     """What the backward kernels compute and where they write it.
 
     Args:
-        members: reductions with a row gradient (sums and P @ V products the output reads).
+        members: reductions with a row gradient (sums and P @ V products the output reads, and
+            the maxima in ``shift_gradients``: theirs reaches the argmax key alone).
         dots: score tiles that some member body reads (recomputed per tile).
         accs: ``"dq"``/``"dk"``/``"dv"`` -> the Q / K / V operand expressions whose gradients
             accumulate in registers (one accumulator per distinct expression).
@@ -119,7 +121,7 @@ def extra_seeds(region: Region, members: list[int]) -> dict[Expr, Expr]:
     seeds: dict[Expr, Expr] = {}
     for j in members:
         e = region.reductions[j].extra
-        if e is not None:
+        if e is not None and region.reductions[j].kind != "max":     # a max's: a constant
             seeds[e] = seeds[e] + tile(f"dr{j}") if e in seeds else tile(f"dr{j}")
     return seeds
 
@@ -183,7 +185,9 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
     """The plan of a region ``backward_support`` accepts (``fused_dq``: see ``GradPlan``;
     ``group``: ``group_loop``'s mode)."""
     row_adj = vjp({region.out: tile("do")})
-    members = [j for j, rd in enumerate(region.reductions) if rd.kind != "max" and red(j) in row_adj]
+    shifted = shift_gradients(region)      # maxima taking a gradient (at their argmax)
+    members = [j for j, rd in enumerate(region.reductions)
+               if (rd.kind != "max" and red(j) in row_adj) or j in shifted]
     bodies = {region.reductions[j].body: tile("db") for j in members}
     body_adj = vjp(bodies) if bodies else {}
     dots = sorted({i for j in members for i in refs(region.reductions[j].body, "dot")})

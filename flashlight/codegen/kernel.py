@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import Expr, Region, call, free_vars, refs, walk
-from ..ir.region import rowstat_columns
+from ..ir.region import argmax_columns, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, jump_reads, max_terms, plain, prelude
 
@@ -301,6 +301,8 @@ class KernelWriter:
                 out.lines += [f"{dv_state(j, o)} = tl.full({TILE[o.name][2]}, {init}, tl.float32)" for _, o in self.dv_ctxs]
             else:
                 out.lines.append(f"r{j} = tl.full([BLOCK_M, 1], {init}, tl.float32)")
+            if j in argmax_columns(r):
+                out.lines.append(f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)  # -1: the extra element, or no key")
         self.seed(members)
         out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full))
         for j in members:
@@ -392,6 +394,11 @@ class KernelWriter:
             if rows is not None:
                 row_max = f"({row_max} + {em.emit(rows, sctx, loop)})"
             row_max += f" * {scale!r}" if scale != 1.0 else ""
+            if j in argmax_columns(r):      # the first key of the maximum, for the shift's gradient
+                loop.lines += [f"r{j}_blk = {row_max}", "if STATS:",
+                               f"    r{j}_at = tl.where(r{j}_blk > r{j}, start_n + tl.argmax({body}, 1, keep_dims=True), "
+                               f"r{j}_at)"]
+                row_max = f"r{j}_blk"
             loop.lines += [
                 f"r{j}_new = tl.maximum(r{j}, {row_max})",
                 f"r{j}_safe = tl.where(r{j}_new == {NEG_INF}, 0.0, r{j}_new)  # exp(-inf - 0) = 0, not NaN",
@@ -470,6 +477,8 @@ class KernelWriter:
                                      for _, o in self.dv_ctxs]
             else:
                 self.outer.lines.append(f"    tl.store({row} + {c}, {self.em.red_names[j]}, mask=mask_m[:, None])")
+        for j, c in argmax_columns(self.r).items():
+            self.outer.lines.append(f"    tl.store({row} + {c}, r{j}_at.to(tl.float32), mask=mask_m[:, None])")
 
     # -- whole kernel -------------------------------------------------------------------------
     def signature(self) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir import Region, Row, const, free_vars, substitute, var, verify, walk
+from ..ir.region import shift_gradients
 from .emit import prelude
 from .kernel import NEG_INF, KernelWriter
 
@@ -27,8 +28,9 @@ SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
 
 def splittable(region: Region) -> bool:
     """One pass over N, and the output in the tile's own layout (a permuted store's index is not
-    rewritten by ``pack_heads`` and the runtime views the output as (*batch, M, DV))."""
-    return len(region.passes()) == 1 and region.out_index is None
+    rewritten by ``pack_heads`` and the runtime views the output as (*batch, M, DV)); no max that
+    takes a gradient (its argmax is not merged across splits)."""
+    return len(region.passes()) == 1 and region.out_index is None and not shift_gradients(region)
 
 
 def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import Callable
+
 from .expr import Expr, fmt, free_vars, refs, walk
 
 RED_KINDS = ("max", "sum", "dot")
@@ -164,16 +166,77 @@ def body_loads(region: Region) -> int:
     return len({x for r in region.reductions for x in walk(r.body) if x.op == "load" and x.kind == "f"})
 
 
+def _same(ds: list[int]) -> int | None:
+    return ds[0] if all(d == ds[0] for d in ds) else None
+
+
+# Degree of homogeneity of an expression in a group of reductions G (all scaled by one factor c):
+# e(c r) = c^d e(r). Each row: op -> degrees of the arguments -> degree (None: not homogeneous).
+DEGREE: dict[str, Callable[[list[int]], int | None]] = {
+    "mul": lambda d: d[0] + d[1],
+    "div": lambda d: d[0] - d[1],
+    "div_safe": lambda d: d[0] - d[1],      # b == 0 iff c b == 0 (c > 0)
+    "add": _same, "sub": _same, "maximum": _same, "minimum": _same,
+    "neg": lambda d: d[0], "to_f": lambda d: d[0],
+    "relu": lambda d: d[0], "abs": lambda d: d[0],      # c > 0: relu(c x) = c relu(x), |c x| = c |x|
+    "where": lambda d: _same(d[1:]) if d[0] == 0 else None,
+}
+
+
+def degree(e: Expr, group: set[int]) -> int | None:
+    """Ops without a row are homogeneous of degree 0 when their arguments are (sigmoid(a/l))."""
+    memo: dict[Expr, int | None] = {}
+    for x in walk(e):
+        if x.op == "red":
+            memo[x] = 1 if x.args[0] in group else 0
+            continue
+        args = [memo[a] for a in x.args if isinstance(a, Expr)] if x.op != "load" else []
+        if any(d is None for d in args):
+            memo[x] = None
+        elif x.op in DEGREE:
+            memo[x] = DEGREE[x.op](args)
+        else:
+            memo[x] = 0 if all(d == 0 for d in args) else None
+    return memo[e]
+
+
+def shift_gradients(region: Region) -> list[int]:
+    """The running maxima the output is not invariant to, which therefore take a gradient: a
+    max m shifts the sums it rescales (``online``), which scale as exp(-m); where the output is
+    homogeneous of degree 0 in them and reads m nowhere else, dL/dm = 0 and the backward treats
+    m as a constant. Otherwise (a softmax with an epsilon in its denominator: p = e / (sum e + eps),
+    softpick's) dL/dm = dL/dm|direct - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and it
+    reaches the score at the row's argmax, which the forward saves (``rowstat_columns``)."""
+    found = []
+    for j, r in enumerate(region.reductions):
+        if r.kind != "max":
+            continue
+        group = {k for k, o in enumerate(region.reductions) if o.online == j}
+        if j in refs(region.out, "red") or degree(region.out, group) != 0:
+            found.append(j)
+    return found
+
+
 def rowstat_columns(region: Region) -> tuple[list[int | None], int]:
     """Layout of the fp32 statistics the forward saves for the backward, [*batch, M, W]: each
     reduction's final value from its first column (one for max and sum, DV for a P @ V product;
     None for a product recomputed from the output, ``from_output``); a max is stored as the
-    shift the bodies used (-inf -> 0). Returns (first columns, W)."""
+    shift the bodies used (-inf -> 0); then the argmax of every max in ``shift_gradients``
+    (``argmax_columns``). Returns (first columns, W)."""
     cols, w, skip = [], 0, from_output(region)
-    for j, red in enumerate(region.reductions):
+    for j, rd in enumerate(region.reductions):
         cols.append(None if j in skip else w)
-        w += 0 if j in skip else region.DV if red.kind == "dot" else 1
-    return cols, w
+        w += 0 if j in skip else region.DV if rd.kind == "dot" else 1
+    return cols, w + len(shift_gradients(region))
+
+
+def argmax_columns(region: Region) -> dict[int, int]:
+    """The column of each ``shift_gradients`` max's argmax (a key index in fp32, exact below
+    2^24; -1 where no key exceeds the max's extra element or every key is masked), after the
+    reductions' columns."""
+    grads = shift_gradients(region)
+    w = rowstat_columns(region)[1] - len(grads)
+    return {j: w + i for i, j in enumerate(grads)}
 
 
 class VerifyError(AssertionError):

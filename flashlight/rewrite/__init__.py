@@ -58,6 +58,88 @@ def split_concat(region: Region) -> Region | None:
     return replace(region, reductions=reds) if changed else None
 
 
+def _map(region: Region, fn: Callable[[Expr], Expr | None]) -> Region:
+    """``region`` with ``substitute(e, fn)`` applied to every expression of ``Region.exprs``."""
+    conv = lambda e: None if e is None else substitute(e, fn)        # noqa: E731
+    reds = [replace(r, body=conv(r.body), extra=conv(r.extra)) for r in region.reductions]
+    return replace(region, reductions=reds, out=conv(region.out),
+                   rows=[replace(x, expr=conv(x.expr)) for x in region.rows])
+
+
+def _through(region: Region, j: int, form: Callable[[Expr], Expr | None]) -> tuple[Region, Expr] | None:
+    """When red j is read only as ``form(e)`` of one and the same (other) argument: the region
+    with those reads replaced by red j itself, and the argument; else None."""
+    found = [x for e in region.exprs() for x in walk(e) if form(x) is not None]
+    if not found:
+        return None
+    target, arg = found[0], form(found[0])
+    hole = var("red_through")
+    new = _map(region, lambda x: hole if x == target else None)
+    if any(j in refs(e, "red") for e in new.exprs()):
+        return None         # read some other way too
+    return _map(new, lambda x: red(j) if x == hole else None), arg
+
+
+def _other_arg(x: Expr, op: str, j: int, ok: Callable[[Expr], bool]) -> Expr | None:
+    """b when x is ``op(red j, b)`` or ``op(b, red j)`` and ``ok(b)``."""
+    if x.op != op:
+        return None
+    for a, b in (x.args, x.args[::-1]):
+        if a == red(j) and ok(b):
+            return b
+    return None
+
+
+def _as_float(c: Expr) -> Expr:
+    if c.kind == "f":
+        return c
+    return const(float(c.args[0])) if c.op == "const" else call("to_f", c)
+
+
+def clamp_shifts(region: Region) -> Region | None:
+    """A running max read only as ``maximum(max_n x, c)`` for a row value c is the max over the
+    keys and one more element c, the max's ``extra`` (as a sink logit's): softmax_1 ("quiet"
+    attention) clamps its shift at 0, ``m = s.amax(-1).clamp(min=0)``, so that its +1 term
+    ``exp(-m)`` cannot overflow. The sums it shifts then run in its pass."""
+    for j, r in enumerate(region.reductions):
+        if r.kind != "max":
+            continue
+        ok = lambda c: row_constant(c, region) and not refs(c, "red")      # noqa: E731
+        found = _through(region, j, lambda x: _other_arg(x, "maximum", j, ok))
+        if found is None:
+            continue
+        new, c = found
+        c = _as_float(c)
+        reds = list(new.reductions)
+        reds[j] = replace(reds[j], extra=c if r.extra is None else call("maximum", r.extra, c))
+        return replace(new, reductions=reds)
+    return None
+
+
+def seed_sums(region: Region) -> Region | None:
+    """A sum read only as ``sum_n x + t``, for a row value t that scales with the max that x
+    scales with, is the sum seeded with t (its ``extra``, as a sink's exp(sink - m)) — where
+    the max is seeded too, so that t is finite before the loop. softmax_1's normaliser
+    ``exp(-m) + sum_n exp(s - m)`` then leaves the output free of the shift m, which the
+    generated backward needs (``backward_support``)."""
+    for k, r in enumerate(region.reductions):
+        if r.kind != "sum":
+            continue
+        for j in refs(r.body, "red"):
+            m = region.reductions[j]
+            if m.kind != "max" or m.extra is None or not scales(r.body, j, m.base2):
+                continue
+            ok = lambda t: row_constant(t, region) and refs(t, "red") == {j} and scales(t, j, m.base2)  # noqa: E731
+            found = _through(region, k, lambda x: _other_arg(x, "add", k, ok))
+            if found is None:
+                continue
+            new, t = found
+            reds = list(new.reductions)
+            reds[k] = replace(reds[k], extra=t if r.extra is None else call("add", r.extra, t))
+            return replace(new, reductions=reds)
+    return None
+
+
 def row_constant(e: Expr, region: Region) -> bool:
     """Same value for every key n of a row: no ``n`` and no score tile."""
     return "n" not in free_vars(e) and not refs(e, "dot")
@@ -228,12 +310,26 @@ ONLINE: dict[str, Callable[[Expr, int, bool], bool]] = {
     "sub": lambda e, j, b2: scales(e.args[0], j, b2) and scales(e.args[1], j, b2),
     "where": lambda e, j, b2: _free(e.args[0], j) and all(scales(a, j, b2) or _is_zero(a) for a in e.args[1:]),
     "to_f": lambda e, j, b2: scales(e.args[0], j, b2),
+    # positively homogeneous: f(c x) = c f(x) for the factor c = exp(m - m') > 0 (softpick's
+    # relu(exp(s - m) - exp(-m)) over sum |exp(s - m) - exp(-m)|)
+    "relu": lambda e, j, b2: scales(e.args[0], j, b2),
+    "abs": lambda e, j, b2: scales(e.args[0], j, b2),
+    "maximum": lambda e, j, b2: all(scales(a, j, b2) or _is_zero(a) for a in e.args),
+    "minimum": lambda e, j, b2: all(scales(a, j, b2) or _is_zero(a) for a in e.args),
 }
 
 
+def shifted(e: Expr, j: int) -> Expr | None:
+    """x when e = f(x - red j) with x free of red j, or 0 when e = f(-red j) (``exp(-m)``:
+    softmax_1's and softpick's row term); else None."""
+    a = e.args[0]
+    if a.op == "sub" and a.args[1] == red(j) and _free(a.args[0], j):
+        return a.args[0]
+    return const(0.0) if a.op == "neg" and a.args[0] == red(j) else None
+
+
 def _shift(e: Expr, j: int) -> bool:
-    """e = f(x - red j) with x free of red j."""
-    return e.args[0].op == "sub" and e.args[0].args[1] == red(j) and _free(e.args[0].args[0], j)
+    return shifted(e, j) is not None
 
 
 def _is_zero(e: Expr) -> bool:
@@ -356,7 +452,7 @@ def fold_log2e(e: Expr) -> Expr | None:
 
 def _shifts(e: Expr, j: int) -> list[Expr]:
     """The x of every exp(x - red j) in e."""
-    return [x.args[0].args[0] for x in walk(e) if x.op == "exp" and _shift(x, j)]
+    return [shifted(x, j) for x in walk(e) if x.op == "exp" and _shift(x, j)]
 
 
 def _to_base2(e: Expr, j: int) -> Expr:
@@ -367,7 +463,7 @@ def _to_base2(e: Expr, j: int) -> Expr:
         if x in memo:
             return memo[x]
         if x.op == "exp" and _shift(x, j):
-            new = call("exp2", call("sub", fold_log2e(go(x.args[0].args[0])), red(j)))
+            new = call("exp2", call("sub", fold_log2e(go(shifted(x, j))), red(j)))
         elif x == red(j):
             new = call("mul", red(j), const(math.log(2.0)))
         elif x.op == "load":
@@ -499,6 +595,8 @@ def factor_dot_scales(region: Region) -> Region | None:
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("dot-scales", factor_dot_scales),
     ("split-concat", split_concat),
+    ("clamp-shifts", clamp_shifts),
+    ("seed-sums", seed_sums),
     ("split-sums", split_sums),
     ("factor-rows", factor_rows),
     ("split-offsets", split_offsets),

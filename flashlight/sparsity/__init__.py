@@ -45,7 +45,101 @@ def zero_when(e: Expr) -> Expr:
 
 
 def _branches(c: Expr, wa: Expr, wb: Expr) -> Expr:
-    return call("or", call("and", c, wa), call("and", call("not", c), wb))
+    return call("or", call("and", true_when(c), wa), call("and", false_when(c), wb))
+
+
+def _static(c: Expr) -> bool:
+    """A condition of indices and loads only (a mask), which the block scan can evaluate."""
+    return not refs(c, "dot") and not refs(c, "red")
+
+
+def true_when(c: Expr) -> Expr:
+    """A predicate implying the condition ``c``: ``c`` itself for a mask, else by ``TRUE_WHEN``
+    (softpick's ``isfinite(s)`` holds where s is not masked), else never."""
+    rule = TRUE_WHEN.get(c.op)
+    found = rule(c) if rule else None
+    return found if found is not None else c if _static(c) else FALSE
+
+
+def false_when(c: Expr) -> Expr:
+    """A predicate implying ``not c`` (see ``true_when``)."""
+    rule = FALSE_WHEN.get(c.op)
+    found = rule(c) if rule else None
+    return found if found is not None else call("not", c) if _static(c) else FALSE
+
+
+def finite_when(e: Expr) -> Expr:
+    rule = FINITE_WHEN.get(e.op)
+    return rule(e) if rule else FALSE
+
+
+def _float_class(c: Expr) -> tuple[str, Expr] | None:
+    """("finite", x) for ``isfinite(x)`` (captured as abs(x) < inf), ("inf", x) for ``isinf(x)``
+    (abs(x) == inf) or ``isneginf(x)`` (x == -inf); else None."""
+    if len(c.args) != 2:
+        return None
+    a, b = c.args
+    if b.op == "const" and b.args[0] == math.inf and a.op == "abs" and c.op in ("lt", "eq"):
+        return ("finite" if c.op == "lt" else "inf"), a.args[0]
+    if b.op == "const" and b.args[0] == NEG_INF and c.op == "eq":
+        return "inf", a
+    return None
+
+
+# a float class test -> (predicate under which it holds, under which it fails)
+CLASS_WHEN: dict[str, tuple[Callable[[Expr], Expr], Callable[[Expr], Expr]]] = {
+    "finite": (lambda x: finite_when(x), lambda x: neg_inf_when(x)),
+    "inf": (lambda x: neg_inf_when(x), lambda x: finite_when(x)),
+}
+
+
+def _class_rule(holds: bool) -> Callable[[Expr], Expr | None]:
+    def rule(c: Expr) -> Expr | None:
+        found = _float_class(c)
+        return None if found is None else CLASS_WHEN[found[0]][0 if holds else 1](found[1])
+    return rule
+
+
+# Conditions that read the scores, as predicates of the masks: c holds (TRUE_WHEN), c fails
+# (FALSE_WHEN) wherever the predicate does. Rows return None to decline.
+TRUE_WHEN: dict[str, Callable[[Expr], Expr | None]] = {
+    "lt": _class_rule(True), "eq": _class_rule(True),
+    "not": lambda c: false_when(c.args[0]),
+    "and": lambda c: call("and", true_when(c.args[0]), true_when(c.args[1])),
+    "or": lambda c: call("or", true_when(c.args[0]), true_when(c.args[1])),
+}
+FALSE_WHEN: dict[str, Callable[[Expr], Expr | None]] = {
+    "lt": _class_rule(False), "eq": _class_rule(False),
+    "not": lambda c: true_when(c.args[0]),
+    "and": lambda c: call("or", false_when(c.args[0]), false_when(c.args[1])),
+    "or": lambda c: call("and", false_when(c.args[0]), false_when(c.args[1])),
+}
+
+# e is finite whenever the predicate holds (scores are: as NEG_INF_WHEN assumes).
+FINITE_WHEN: dict[str, Callable[[Expr], Expr]] = {
+    "const": lambda e: TRUE if e.kind != "f" or math.isfinite(e.args[0]) else FALSE,
+    "dot": lambda e: TRUE,
+    "where": lambda e: _branches(e.args[0], finite_when(e.args[1]), finite_when(e.args[2])),
+    "add": lambda e: call("and", finite_when(e.args[0]), finite_when(e.args[1])),
+    "sub": lambda e: call("and", finite_when(e.args[0]), finite_when(e.args[1])),
+    "mul": lambda e: call("and", finite_when(e.args[0]), finite_when(e.args[1])),
+    "div": lambda e: finite_when(e.args[0]) if e.args[1].op == "const" and e.args[1].args[0] else FALSE,
+    "neg": lambda e: finite_when(e.args[0]),
+    "to_f": lambda e: finite_when(e.args[0]),
+}
+
+
+def _nonneg(e: Expr) -> bool:
+    return e.op in ("exp", "exp2", "abs", "relu", "sigmoid") or (e.op == "const" and e.args[0] >= 0)
+
+
+def _relu_zero_when(e: Expr) -> Expr:
+    """relu(x) is 0 where x is -inf, or x = a - b with a = 0 and b >= 0 (softpick's
+    ``relu(exp(s - m) - exp(-m))`` at a masked s)."""
+    x = e.args[0]
+    if x.op == "sub" and _nonneg(x.args[1]):
+        return call("or", neg_inf_when(x), zero_when(x.args[0]))
+    return neg_inf_when(x)
 
 
 # e == -inf whenever the predicate holds (non-masked scores are finite).
@@ -72,7 +166,8 @@ ZERO_WHEN: dict[str, Callable[[Expr], Expr]] = {
     "div_safe": lambda e: zero_when(e.args[0]),
     "where": lambda e: _branches(e.args[0], zero_when(e.args[1]), zero_when(e.args[2])),
     "to_f": lambda e: zero_when(e.args[0]),
-    "relu": lambda e: neg_inf_when(e.args[0]),
+    "relu": _relu_zero_when,
+    "abs": lambda e: zero_when(e.args[0]),
 }
 
 
@@ -109,7 +204,7 @@ def full_predicate(bodies: list[Expr]) -> Expr:
         for x in walk(body):
             lb = live_branch(x)
             if lb is not None:
-                keep = call("and", keep, lb[0])
+                keep = call("and", keep, true_when(lb[0]))
     return keep
 
 
