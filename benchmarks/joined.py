@@ -47,19 +47,24 @@ def shapes(a) -> dict:
             "mqa_einsum": (mqa_einsum, [(B, H, N, D), (B, N, D), (B, N, D)])}
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.joined", description=__doc__.split("\n")[0])
-    for name, default in (("b", 4), ("h", 16), ("n", 4096), ("d", 64), ("r", 32)):
+def parser(doc: str, **defaults) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    for name, default in defaults.items():
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cuda")
-    a = p.parse_args(argv)
+    return p
+
+
+def compare(programs: dict, device: str, csv_name: str) -> list[dict]:
+    """Time every program, {name: (fn, input shapes)}, under flashlight and Inductor: one line
+    each, and ``$OUT/csv_name`` when ``OUT`` is set."""
     configure_dynamo()
-    bench = make_bench(a.device, 25, 100)
-    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    bench = make_bench(device, 25, 100)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     rows = []
-    for name, (fn, sizes) in shapes(a).items():
+    for name, (fn, sizes) in programs.items():
         torch.manual_seed(0)
-        xs = [torch.randn(s, device=a.device, dtype=dtype).requires_grad_() for s in sizes]
+        xs = [torch.randn(s, device=device, dtype=dtype).requires_grad_() for s in sizes]
         with torch.no_grad():
             ref = fn(*[to_fp32(x) for x in xs])
         row = {"program": name}
@@ -70,7 +75,9 @@ def main(argv=None) -> None:
                 row[f"err_{system}"] = rel_error(out, ref)
                 if system == "flashlight":
                     flashlight.wait()
-                    row["features"] = " ".join(flashlight.explain(fn, *xs).regions[0].features)
+                    regions = flashlight.explain(fn, *xs).regions
+                    row["features"] = " ".join(regions[0].features) if regions else "no region in explain()"
+                    row["backward"] = regions[0].backward.split(" (")[0] if regions else ""
                 row[f"ms_fwd_{system}"] = bench(lambda: compiled(*xs))
                 row[f"ms_step_{system}"] = bench(lambda: torch.autograd.grad(compiled(*xs), xs, dout))
             except Exception as e:  # noqa: BLE001 — a failing system is a NaN row, the run goes on
@@ -80,14 +87,20 @@ def main(argv=None) -> None:
         print(f"{name:15s} err {row.get('err_flashlight', NAN):.1e}/{row.get('err_inductor', NAN):.1e}  "
               f"fwd {row.get('ms_fwd_flashlight', NAN):.3f}/{row.get('ms_fwd_inductor', NAN):.3f}  "
               f"step {row.get('ms_step_flashlight', NAN):.3f}/{row.get('ms_step_inductor', NAN):.3f} ms  "
-              f"[{row.get('features', '')}] {row.get('notes', '')}", flush=True)
+              f"[{row.get('features', '')}; backward {row.get('backward', '')}] {row.get('notes', '')}", flush=True)
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         cols = sorted({k for r in rows for k in r}, key=lambda k: (k != "program", k))
-        with open(os.path.join(os.environ["OUT"], "joined.csv"), "w", newline="") as f:
+        with open(os.path.join(os.environ["OUT"], csv_name), "w", newline="") as f:
             w = csv.DictWriter(f, cols)
             w.writeheader()
             w.writerows(rows)
+    return rows
+
+
+def main(argv=None) -> None:
+    a = parser(__doc__, b=4, h=16, n=4096, d=64, r=32).parse_args(argv)
+    compare(shapes(a), a.device, "joined.csv")
 
 
 if __name__ == "__main__":

@@ -185,9 +185,15 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
                 p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
             elif spelling == "method":
                 p = s.softmax(-1)
-            else:
-                e = torch.exp(s - s.amax(-1, keepdim=True))
-                p = e / e.sum(-1, keepdim=True)
+            else:       # the shift as drawn (``shift``): softmax_1, an epsilon and softpick change the map
+                m = torch.max(s, -1, keepdim=True).values if shift == "max_values" else s.amax(-1, keepdim=True)
+                m = m.clamp(min=0) if shift == "softmax_one" else m
+                e = torch.exp(s - m)
+                if shift == "softpick":
+                    e = e - torch.exp(-m)
+                    p = F.relu(e) / (torch.where(s.isfinite(), e.abs(), 0).sum(-1, keepdim=True) + 1e-8)
+                else:
+                    p = e / (e.sum(-1, keepdim=True) + {"softmax_one": torch.exp(-m), "eps": 0.3}.get(shift, 0.0))
             if sink:
                 p = p[..., :N]
             if oracle and second != "none":
@@ -250,12 +256,15 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         R = rng.choice([4, 8, 12])
         extra["qr"], extra["kr"] = rand(B, H, M, R), rand(B, H if not kv_broadcast else 1, N, R)
         names += ["qr", "kr"]
+    # the hand-written softmax's shift (drawn last, likewise): torch.max(...).values, softmax_1's
+    # clamped shift and +1, an epsilon in the denominator (the shift takes a gradient), softpick
+    shift = rng.choice(["amax"] * 4 + ["max_values", "softmax_one", "eps", "softpick"]) if spelling == "hand" else "amax"
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
             f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
-            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra}")
+            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program

@@ -1,3 +1,4 @@
+# Session 28 (on an H100 or the H200): S29 (carry .s29 = git archive f0684f6), then S28 (carry .s28), then G.
 # Session 28's plan (session 27: docs/notes.md "Session 27"; three calls ran, all H100s; 54 GPU tests
 #   passed in full): leave kind out. If an H200 comes: F (the flex suite, issue #6's table on the H200),
 #   then TR with LIMIT=250 (issue #5's table). On an H100: S28 below (IPA at D=128 under the new
@@ -106,6 +107,18 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+S29)  # session 28's first call (~5 min; carry .s29 = f0684f6): the GPU tests of the shift rules and the
+    # shift gradients (softpick's argmax kept under the compiled kernel's `if STATS`), the bf16 gradient
+    # ones, then benchmarks.shifts here and at f0684f6 (softpick's max and isfinite mask as N x N
+    # tensors, softmax_1 in two passes, all three trained through the reference VJP)
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "shifts_bf16 or bf16_forward_and_gradients" \
+    > $OUT/test_gpu_s29.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/test_gpu_s29.txt | cut -c1-200
+  OUT=$OUT/shifts timeout -k 5 120 python3 -m benchmarks.shifts > $OUT/shifts.txt 2>&1
+  echo "shifts rc $?"; grep -v "^W\|Warning" $OUT/shifts.txt | cut -c1-220 | tail -3
+  OUT=$OUT/shifts_old timeout -k 5 150 python3 scripts/with_tree.py .s29 benchmarks.shifts > $OUT/shifts_old.txt 2>&1
+  echo "shifts at f0684f6 rc $?"; grep -v "^W\|Warning" $OUT/shifts_old.txt | cut -c1-220 | tail -4
+  ;;
 S28)  # session 28 on an H100 (~6.5 min; carry .s28; then G in its own call): IPA at D=128 with the many-loads backward default (measured at
     # D=64 only) against --tune, benchmarks.joined at D=128 (the rotary part 64: DK 192 in pieces 128 + 64),
     # and at D=64 here and at e058c67 (fit_rows)

@@ -89,6 +89,27 @@ def test_joined_products_and_shared_kv_einsums_bf16(case):
     check_against_float64(SimpleNamespace(attention=fn), inputs, out, torch.autograd.grad(out, inputs, dout), dout)
 
 
+@pytest.mark.parametrize("case", ["softpick", "softmax_one_causal", "softmax_eps", "max_read_back"])
+def test_shifts_bf16(case):
+    """Softpick (the example: its epsilon's gradient at each row's argmax), softmax_1 (its shift
+    a seeded max), an epsilon in a hand-written softmax, the max read back: one pass forward,
+    generated backward, the argmax kept by the compiled kernel's ``if STATS`` branch."""
+    from types import SimpleNamespace
+
+    from test_shifts import PROGRAMS, SHIFT_GRADIENTS
+    fn = {**PROGRAMS, **SHIFT_GRADIENTS, "softpick": VARIANTS["softpick"].attention}[case]
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    if case != "softpick":      # test_shifts' programs mask for its own lengths (M = 37, N = 70)
+        inputs = [x[:, :, :37].detach().requires_grad_() if i == 0 else x[:, :, :70].detach().requires_grad_()
+                  for i, x in enumerate(inputs)]
+    r = flashlight.explain(fn, *inputs).regions[0]
+    assert "2-pass" not in r.features and r.backward.startswith("generated"), (r.features, r.backward)
+    out = torch.compile(fn, backend="flashlight")(*inputs)
+    dout = torch.randn_like(out)
+    check_against_float64(SimpleNamespace(attention=fn), inputs, out, torch.autograd.grad(out, inputs, dout), dout)
+
+
 @pytest.mark.parametrize("name,D", [("causal", 128), ("document_mask", 64), ("diff_attention", 64), ("gqa", 128)])
 def test_fused_dq_bf16(name, D, monkeypatch):
     """``FLASHLIGHT_ATOMIC_DQ=1``: the dK/dV kernel adds dQ with fp32 atomics, no dQ kernel."""
