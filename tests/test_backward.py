@@ -427,6 +427,8 @@ def test_max_shift_takes_a_gradient_unless_it_cancels():
     assert degree(call("div_safe", red(1), red(1)), {1}) == 0 and degree(red(1), {1}) == 1
     r.out = call("sigmoid", call("div", red(1), red(1)))
     assert backward_support(r) is None and shift_gradients(r) == []
+    r.out = call("div", red(1), call("add", call("exp", call("neg", red(0))), red(1)))    # softmax_1's +1
+    assert backward_support(r) is None and shift_gradients(r) == []
     for out in (red(1), red(0), call("div", red(1), call("add", red(1), const(1e-3)))):
         r.out = out
         assert backward_support(r) is None and shift_gradients(r) == [0]

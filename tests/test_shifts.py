@@ -135,8 +135,17 @@ def test_clamped_max_read_unclamped_too_stays_exact():
 
 def test_unclamped_softmax_one():
     """Without the clamp the max is not seeded (exp(-m) may overflow before the loop, as in eager):
-    the +1 stays in the output, which reads the shift."""
-    check_fused(softmax_one(lambda i, j: i >= 0), *_inputs())
+    the +1 stays in the output, which reads the shift only as exp(-m), invariant with the sums:
+    no shift gradient."""
+    def attention(q, k, v):
+        s = q @ k.mT * q.shape[-1] ** -0.5
+        m = s.amax(-1, keepdim=True)
+        e = torch.exp(s - m)
+        return e / (torch.exp(-m) + e.sum(-1, keepdim=True)) @ v
+    _, report = check_fused(attention, *_inputs())
+    r = report.regions[0]
+    assert "shift-gradient" not in r.features and "sink" not in r.features, r.features
+    check_grads(attention, [x.requires_grad_() for x in _inputs()])
 
 
 def test_float_class_tests_and_amin_fuse():

@@ -215,8 +215,8 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
         em.red_names[k] = f"r{k}"
     adjoints = vjp({region.out: tile("do")})
     for j, reduction in enumerate(region.reductions):
-        if red(j) not in adjoints:
-            continue        # a max (a constant shift), or a reduction the output does not read
+        if red(j) not in adjoints or reduction.kind == "max":
+            continue        # a reduction the output does not read, or a max (``shift_gradients``: below)
         if j in dg.shared:  # c_j into r_j's row-gradient column; the group's G once, 0 where every c is
             c = em.emit(dg.shared[j][0], CTX_O, block)
             block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.zeros([BLOCK_M, 1], tl.float32) + {c}, "

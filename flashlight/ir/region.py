@@ -183,12 +183,29 @@ DEGREE: dict[str, Callable[[list[int]], int | None]] = {
 }
 
 
-def degree(e: Expr, group: set[int]) -> int | None:
-    """Ops without a row are homogeneous of degree 0 when their arguments are (sigmoid(a/l))."""
+def _shift_term(x: Expr, shift: int, memo: dict) -> bool:
+    """``exp(y - m)`` / ``exp2(y - m)`` for the shift m = red ``shift`` and a y of degree 0 free of
+    it, or ``exp(-m)``: a row term that scales as the sums m shifts (softmax_1's +1)."""
+    if x.op not in ("exp", "exp2"):
+        return False
+    a = x.args[0]
+    if a.op == "neg":
+        return a.args[0].op == "red" and a.args[0].args[0] == shift
+    return a.op == "sub" and a.args[1].op == "red" and a.args[1].args[0] == shift and \
+        shift not in refs(a.args[0], "red") and memo[a.args[0]] == 0
+
+
+def degree(e: Expr, group: set[int], shift: int | None = None) -> int | None:
+    """Ops without a row are homogeneous of degree 0 when their arguments are (sigmoid(a/l)).
+    With ``shift``, the max of the group: its exp shifts are of degree 1, another read of it
+    of none."""
     memo: dict[Expr, int | None] = {}
     for x in walk(e):
         if x.op == "red":
-            memo[x] = 1 if x.args[0] in group else 0
+            memo[x] = 1 if x.args[0] in group else None if x.args[0] == shift else 0
+            continue
+        if shift is not None and _shift_term(x, shift, memo):
+            memo[x] = 1
             continue
         args = [memo[a] for a in x.args if isinstance(a, Expr)] if x.op != "load" else []
         if any(d is None for d in args):
@@ -203,16 +220,16 @@ def degree(e: Expr, group: set[int]) -> int | None:
 def shift_gradients(region: Region) -> list[int]:
     """The running maxima the output is not invariant to, which therefore take a gradient: a
     max m shifts the sums it rescales (``online``), which scale as exp(-m); where the output is
-    homogeneous of degree 0 in them and reads m nowhere else, dL/dm = 0 and the backward treats
-    m as a constant. Otherwise (a softmax with an epsilon in its denominator: p = e / (sum e + eps),
-    softpick's) dL/dm = dL/dm|direct - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and it
+    homogeneous of degree 0 in them and in its own exp(y - m) terms, and reads m nowhere else,
+    dL/dm = 0 and the backward treats m as a constant. Otherwise (a softmax with an epsilon in
+    its denominator: p = e / (sum e + eps), softpick's) dL/dm = dL/dm|direct - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and it
     reaches the score at the row's argmax, which the forward saves (``rowstat_columns``)."""
     found = []
     for j, r in enumerate(region.reductions):
         if r.kind != "max":
             continue
         group = {k for k, o in enumerate(region.reductions) if o.online == j}
-        if j in refs(region.out, "red") or degree(region.out, group) != 0:
+        if degree(region.out, group, shift=j) != 0:
             found.append(j)
     return found
 
