@@ -215,6 +215,31 @@ def test_a_score_program_without_a_gradient_keeps_the_triton_dkdv_kernel():
     rt.REGISTRY.clear()
 
 
+def _softmax_eps(q, k, v):
+    e = torch.exp(q @ k.mT * 0.125 - (q @ k.mT * 0.125).amax(-1, keepdim=True))
+    return e / (e.sum(-1, keepdim=True) + 1e-3) @ v
+
+
+def test_a_shift_taking_a_gradient_runs_gluon_only_without_statistics(monkeypatch):
+    """A softmax with an epsilon in its denominator: its max takes a gradient at the argmax the
+    Triton forward saves. Inference launches run the Gluon forward; training launches (row
+    statistics) run the Triton kernel, and the backward keeps its Triton tile kernels."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("FLASHLIGHT_BACKGROUND", "0")
+    c, inputs = capture(SimpleNamespace(attention=_softmax_eps, make_inputs=VARIANTS["vanilla"].make_inputs), 1, 2, 256, 128)
+    assert gluon_support(c.region) == "" and "shift takes a gradient" in tiles_support(c.region)
+    events = []
+    monkeypatch.setattr(rt, "compile_gluon", lambda c: object())
+    monkeypatch.setattr(rg, "launch", lambda *args: events.append("gluon"))
+    monkeypatch.setattr(rt, "launch_kernel", lambda *args: events.append("triton"))
+    monkeypatch.setattr(rt.CompiledRegion, "gluon_applies", lambda self, inputs: True)
+    cfg = c.default_config()
+    c.launch(inputs, cfg, stats=False)
+    c.launch(inputs, cfg, stats=True)
+    assert events == ["gluon", "triton"]
+    rt.REGISTRY.clear()
+
+
 def test_a_learned_bias_keeps_the_triton_dkdv_kernel(region):
     """A bias that takes a gradient is scattered per tile by the Triton dK/dV kernel."""
     def make_inputs(B, H, M, N, D, dtype, device):

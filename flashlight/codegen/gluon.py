@@ -28,7 +28,7 @@ import math
 import torch
 
 from ..ir import Region, const, free_vars, refs, substitute, walk
-from ..ir.region import rowstat_columns, shift_gradients
+from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, full_body, useful
 from .emit import HELPERS as TRITON_HELPERS
 from .emit import TRITON, Block, CodegenError, Ctx, jump_reads, max_terms, plain
@@ -99,8 +99,6 @@ def gluon_support(region: Region) -> str:
     if not mx.base2 or sm.online != 0 or pv.online != 0 or sm.body != pv.body or any(
             red.extra is not None for red in r.reductions):
         return "not one online softmax feeding its P @ V"
-    if shift_gradients(r):
-        return "the shift takes a gradient (the Triton kernel saves its argmax)"
     if not bulk_operand(r.dots[0].k, "n", "dk") or not bulk_operand(pv.v, "n", "dv"):
         return "K or V is not read as whole rows"
     if not {"m", "dk"} <= free_vars(r.dots[0].q):

@@ -35,7 +35,7 @@ from typing import NamedTuple
 from ..ir import Expr, Region, dot, refs, substitute, walk
 from ..ir.derivative import vjp
 from ..ir.expr import var
-from ..ir.region import rowstat_columns
+from ..ir.region import rowstat_columns, shift_gradients
 from ..sparsity import TRUE, full_body, useful
 from .backward import DKDVWriter, DQWriter, backward_support, const_factor, dot_grads
 from .emit import Block, CodegenError, Ctx
@@ -81,6 +81,8 @@ def tiles_support(region: Region, plan: GradPlan | None = None) -> str:
     why = gluon_support(region) or backward_support(region)
     if why:
         return why
+    if shift_gradients(region):
+        return "the shift takes a gradient (at the argmax the Triton forward saves)"
     if not bulk_operand(region.dots[0].q, "m", "dk"):
         return "Q is not read as whole rows"
     plan = plan or grad_plan(region)

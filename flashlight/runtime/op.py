@@ -29,7 +29,7 @@ from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
 from ..ir import Region
 from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
-from ..ir.region import body_loads, from_output, rowstat_columns
+from ..ir.region import body_loads, from_output, rowstat_columns, shift_gradients
 from ..sparsity import STAT_BLOCK, dead_predicate, reads_loaded_rows, useful
 from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, fit_rows, head_block, heuristic, pow2, smaller)
@@ -193,7 +193,8 @@ class CompiledRegion:
         rowstats = unwritten(inputs[0].new_empty(self.rowstats_shape if stats else (1,), dtype=torch.float32))
         split = self.split_kernels() if decode.may_split(r, inputs[0].device) else None
         done = bool(split) and split.launch(inputs, outs, rowstats, cfg, stats, block_stats)
-        gluon_applies = not done and gluon_ok and self.gluon_applies(inputs)
+        # a shift taking a gradient needs its argmax saved, which only the Triton forward keeps
+        gluon_applies = not done and gluon_ok and not (stats and self.keeps_argmax) and self.gluon_applies(inputs)
         if gluon_applies:
             done = self.gfwd.launch(lambda: compile_gluon(self), lambda kernel: gluon.launch(
                 kernel, r, kernel_args(r, self.stats, inputs, outs, rowstats, block_stats), inputs, stats))
@@ -233,6 +234,11 @@ class CompiledRegion:
         reads K and V as loads: a K computed in the kernel (``k * scale[h]``) raised there at
         the first call on sm_90 (session 19, H100, RoPE with FLASHLIGHT_KV_LEAVES=0)."""
         return bool(gluon_support(self.region))
+
+    @functools.cached_property
+    def keeps_argmax(self) -> bool:
+        """Does the forward save a max's argmax for the backward (``shift_gradients``)?"""
+        return bool(shift_gradients(self.region))
 
     @functools.cached_property
     def gluon_slower(self) -> bool:
