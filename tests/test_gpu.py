@@ -110,6 +110,26 @@ def test_shifts_bf16(case):
     check_against_float64(SimpleNamespace(attention=fn), inputs, out, torch.autograd.grad(out, inputs, dout), dout)
 
 
+@pytest.mark.parametrize("case", ["lse_causal", "entropy", "row_max"])
+def test_row_output_gradients_bf16(case):
+    """A logsumexp, the attention entropy and the row max returned next to the output: their
+    gradients seed the compiled row kernel (the row max's at the saved argmax)."""
+    import test_outputs
+    fn = getattr(test_outputs, case)
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    assert flashlight.explain(fn, *xs).regions[0].backward.startswith("generated")
+    o, row = torch.compile(fn, backend="flashlight")(*xs)
+    do, drow = torch.randn_like(o), torch.randn_like(row)
+    got = torch.autograd.grad((o, row), xs, (do, drow))
+    x64 = [to64(x).detach().requires_grad_() for x in xs]
+    o64, row64 = fn(*x64)
+    ref = torch.autograd.grad((o64, row64), x64, (to64(do), to64(drow)))
+    assert rel_error(o, o64) < FWD_TOL and rel_error(row, row64) < FWD_TOL
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert rel_error(a, b) < GRAD_TOL, (i, rel_error(a, b))
+
+
 @pytest.mark.parametrize("name,D", [("causal", 128), ("document_mask", 64), ("diff_attention", 64), ("gqa", 128)])
 def test_fused_dq_bf16(name, D, monkeypatch):
     """``FLASHLIGHT_ATOMIC_DQ=1``: the dK/dV kernel adds dQ with fp32 atomics, no dQ kernel."""

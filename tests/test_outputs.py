@@ -79,20 +79,36 @@ def test_row_output_with_bf16_inputs_keeps_eager_dtype():
 
 def lse_causal(q, k, v):
     s = q @ k.mT * q.shape[-1] ** -0.5
-    s = s.masked_fill(torch.arange(s.shape[-1]) > torch.arange(s.shape[-2])[:, None], float("-inf"))
+    n, m = torch.arange(s.shape[-1], device=s.device), torch.arange(s.shape[-2], device=s.device)
+    s = s.masked_fill(n > m[:, None], float("-inf"))
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-@pytest.mark.parametrize("fn", [lse_causal, entropy])
+def row_max(q, k, v):
+    """The row max returned: its gradient reaches the score at each row's argmax."""
+    s = q @ k.mT * q.shape[-1] ** -0.5
+    n, m = torch.arange(s.shape[-1], device=s.device), torch.arange(s.shape[-2], device=s.device)
+    s = s.masked_fill(n > m[:, None] + 3, float("-inf"))
+    return torch.softmax(s, -1) @ v, s.amax(-1)
+
+
+@pytest.mark.parametrize("fn", [lse_causal, entropy, hand_lse, row_max])
 def test_gradients_through_row_outputs(fn):
-    """Gradients reach q, k, v from the output and from the row output."""
+    """Gradients reach q, k, v from the output and from the row output, through the generated
+    kernels (the row outputs' gradients seed the row kernel); a logsumexp is invariant to the
+    softmax's shift, the row max is not (``shift-gradient``)."""
     def loss(f, xs):
         o, row = f(*xs)
         w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(o.dtype)
         return (o * w).sum() + row.square().sum()
-    xs = [torch.randn(1, 2, 21, 16, requires_grad=True) for _ in range(3)]
+    xs = [torch.randn(2, 2, 37, 16, requires_grad=True) for _ in range(3)]
+    r = flashlight.explain(fn, *xs).regions[0]
+    assert r.backward.startswith("generated"), r.backward
+    assert ("shift-gradient" in r.features) == (fn is row_max), r.features
     x64 = [x.detach().double().requires_grad_() for x in xs]
+    bwd = REGISTRY[r.key].bwd_launches
     got = torch.autograd.grad(loss(torch.compile(fn, backend="flashlight"), xs), xs)
+    assert REGISTRY[r.key].bwd_launches > bwd
     ref = torch.autograd.grad(loss(fn, x64), x64)
     for a, b in zip(got, ref):
         assert rel_error(a, b) < 1e-3

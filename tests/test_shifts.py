@@ -14,7 +14,7 @@ B, H, M, N, D = 1, 2, 37, 70, 16
 
 
 def _scores(q, k, keep):
-    i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+    i, j = torch.arange(q.shape[-2], device=q.device)[:, None], torch.arange(k.shape[-2], device=q.device)[None, :]
     return (q @ k.mT * q.shape[-1] ** -0.5).masked_fill(~keep(i, j), float("-inf"))
 
 
@@ -86,7 +86,7 @@ def test_gradients_by_the_generated_backward(name):
 def softmax_eps(keep, eps, fill=float("-inf")):
     """A softmax written by hand with an epsilon in its denominator: not invariant to the shift."""
     def attention(q, k, v):
-        i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        i, j = torch.arange(q.shape[-2], device=q.device)[:, None], torch.arange(k.shape[-2], device=q.device)[None, :]
         s = (q @ k.mT * q.shape[-1] ** -0.5).masked_fill(~keep(i, j), fill)
         e = torch.exp(s - s.amax(-1, keepdim=True))
         return e / (e.sum(-1, keepdim=True) + eps) @ v

@@ -32,10 +32,10 @@ import torch
 from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, walk
 from ..ir.derivative import ZERO, not_differentiable, tile, vjp
 from ..ir.expr import BINDS, children
-from ..ir.region import argmax_columns, from_output, rowstat_columns, shift_gradients
+from ..ir.region import argmax_columns, from_output, output_exprs, rowstat_columns, shift_gradients
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
-from .gradients import GradPlan, carry_init, extra_seeds, flush, grad_plan, in_bounds, per_head, scatter
+from .gradients import GradPlan, carry_init, extra_seeds, flush, grad_plan, in_bounds, output_seeds, per_head, scatter
 from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
                      batch_index, block_loops, dk_chunks, dv_state, full_tile, group_member, key_block, operand_dtype,
                      out_offsets, piece_ctx, piece_suffix, segment_bounds, short_expr)
@@ -52,8 +52,9 @@ def backward_support(region: Region) -> str | None:
     read inside a body would need a pass over N before the tile loop). A sink element (``extra``:
     one more row-level element) shifts with the max too; a sum's gets its row gradient in the
     row kernel, which scatters it into the loads it reads (the sink logits)."""
-    if region.rows:
-        return "the region has extra row outputs (flashlight::region_rows: the reference VJP)"
+    for row in region.rows:
+        if any(region.reductions[j].kind == "dot" for j in refs(row.expr, "red")):
+            return "a row output reads a P @ V product"
     shifted = shift_gradients(region)
     for j, r in enumerate(region.reductions):
         if r.extra is not None:
@@ -74,7 +75,7 @@ def backward_support(region: Region) -> str | None:
         other = refs(r.body, "red") - {r.online}
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
-    exprs = [region.out] + [e for d in region.dots for e in (d.q, d.k)]
+    exprs = output_exprs(region) + [e for d in region.dots for e in (d.q, d.k)]
     exprs += [e for j, r in enumerate(region.reductions) if r.kind != "max" or j in shifted
               for e in (r.body, r.v) if e is not None]
     for e in exprs:
@@ -198,8 +199,13 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
     ]
     block.lines.append(f"do = tl.load(dout_ptr + {out_offsets(region, em, block, 'dout')}, mask=mask_o, "
                        "other=0.0).to(tl.float32)")
+    for k in range(len(region.rows)):       # a row output's gradient, in the tile's first column
+        offs = " + ".join([f"b{d} * rowgrad{k}_s{d}" for d in range(nb)] + [f"offs_m * rowgrad{k}_s{nb}"])
+        block.lines += [f"go{k} = tl.load(rowgrad{k}_ptr + {offs}, mask=mask_m, other=0.0).to(tl.float32)",
+                        f"go{k} = tl.where(offs_dv[None, :] == 0, go{k}[:, None], 0.0)"]
     rebuilt = from_output(region)
-    for j in sorted(refs(region.out, "red"), key=lambda j: j in rebuilt):     # a rebuilt product's sum first
+    read = set().union(*(refs(e, "red") for e in output_exprs(region)))
+    for j in sorted(read, key=lambda j: j in rebuilt):     # a rebuilt product's sum first
         reduction = region.reductions[j]
         if j in rebuilt:        # red_j = out * red_k: the stored output (FA2 reads O for its D)
             block.lines.append(f"r{j} = tl.load(out_ptr + {out_offsets(region, em, block, 'out')}, mask=mask_o, "
@@ -213,7 +219,7 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
                     - set(em.red_names)):     # the shifts a sink element reads
         block.lines.append(f"r{k} = tl.load(rowstats_ptr + row + {cols[k]}, mask=mask_m[:, None], other=0.0)")
         em.red_names[k] = f"r{k}"
-    adjoints = vjp({region.out: tile("do")})
+    adjoints = vjp(output_seeds(region))
     for j, reduction in enumerate(region.reductions):
         if red(j) not in adjoints or reduction.kind == "max":
             continue        # a reduction the output does not read, or a max (``shift_gradients``: below)
@@ -249,8 +255,10 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
     scatter(em, vjp(extra_seeds(region, plan.members)), CTX_ROW, block, plan.stored, "mask_m[:, None]")
     args = tensor_args(region, "in", range(len(region.inputs))) + tensor_args(region, "g", plan.written("rows"))
     args += ["out_ptr", *[f"out_s{d}" for d in range(len(region.result_shape))]]
-    args += ["dout_ptr", *[f"dout_s{d}" for d in range(len(region.result_shape))],
-             "rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm", "ddot_ptr", "ddot_sb", "ddot_sm"]
+    args += ["dout_ptr", *[f"dout_s{d}" for d in range(len(region.result_shape))]]
+    for k in range(len(region.rows)):
+        args += [f"rowgrad{k}_ptr", *[f"rowgrad{k}_s{d}" for d in range(nb + 1)]]
+    args += ["rowstats_ptr", "drow_ptr", "rowstats_sb", "rowstats_sm", "ddot_ptr", "ddot_sb", "ddot_sm"]
     args += [f"B{d}" for d in range(nb)] + ["M", "DV: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_DV: tl.constexpr"]
     sig = ",\n".join("    " + a for a in args)
     body = "\n".join("    " + line for line in block.lines)

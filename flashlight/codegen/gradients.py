@@ -181,10 +181,20 @@ def group_loop(region: Region, accs: dict[str, list[Expr]], mode: str = "auto") 
     return None
 
 
+def output_seeds(region: Region) -> dict[Expr, Expr]:
+    """The adjoints the row kernel starts from: dO for the output's [M, DV] tile, and for each
+    extra row output (a logsumexp) its gradient ``go{k}``, which the row kernel puts in the
+    tile's first column only (its reverse sums adjoints over dv)."""
+    seeds = {region.out: tile("do")}
+    for k, row in enumerate(region.rows):
+        seeds[row.expr] = seeds[row.expr] + tile(f"go{k}") if row.expr in seeds else tile(f"go{k}")
+    return seeds
+
+
 def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> GradPlan:
     """The plan of a region ``backward_support`` accepts (``fused_dq``: see ``GradPlan``;
     ``group``: ``group_loop``'s mode)."""
-    row_adj = vjp({region.out: tile("do")})
+    row_adj = vjp(output_seeds(region))
     shifted = shift_gradients(region)      # maxima taking a gradient (at their argmax)
     members = [j for j, rd in enumerate(region.reductions)
                if (rd.kind != "max" and red(j) in row_adj) or j in shifted]

@@ -133,7 +133,7 @@ class BackwardKernels:
                 out.append(torch.empty_like(x).copy_(g))
         return out
 
-    def common(self, inputs, bufs, kernel: str, rowstats, drow, ddot, out=None, dout=None) -> list:
+    def common(self, inputs, bufs, kernel: str, rowstats, drow, ddot, out=None, dout=None, row_grads=()) -> list:
         r, args = self.region, []
         for x in inputs:
             args += [x, *x.stride()]
@@ -141,6 +141,8 @@ class BackwardKernels:
             args += [bufs[i], *bufs[i].stride()]
         if dout is not None:        # the row kernel: the forward's output and its gradient
             args += [out, *out.stride(), dout, *dout.stride()]
+            for g in row_grads:     # and the extra row outputs' (*batch, M)
+                args += [g, *g.stride()]
         return args + [rowstats, drow, r.M * rowstats.shape[-1], rowstats.shape[-1], ddot, *ddot.stride()[:2]]
 
     def meta(self, kernel: str, cfg: Config, tma: bool | None = None) -> tuple[tuple, dict]:
@@ -166,15 +168,15 @@ class BackwardKernels:
         # dQ: the forward's constexprs
         return (cdiv(r.M, cfg.BLOCK_M), batch), op.launch_meta(r, cfg, tma=tma, scan=self.scans["dq"])
 
-    def launch_rows(self, inputs, rowstats, out, grad, bufs, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch_rows(self, inputs, rowstats, out, grad, bufs, cfg: Config, row_grads=()) -> tuple[torch.Tensor, torch.Tensor]:
         """dL/dr_j: of the row sums into a tensor laid out like the row statistics (only the
         columns the tile kernels read are written, so it needs no zero fill), of the P @ V
         products into their own [batch, M, width] tensor (``codegen.backward.DotGrads``).
         ``out``: the forward's output, from which a plain softmax's product is recomputed
-        (``ir.region.from_output``)."""
+        (``ir.region.from_output``). ``row_grads``: the gradients of the extra row outputs."""
         drow, ddot = self.row_outputs(rowstats)
         grid, meta = self.meta("rows", cfg)
-        self.rows[grid](*self.rows_args(inputs, rowstats, out, grad, bufs, drow, ddot), **meta)
+        self.rows[grid](*self.rows_args(inputs, rowstats, out, grad, bufs, drow, ddot, row_grads), **meta)
         return drow, ddot
 
     def row_outputs(self, rowstats: torch.Tensor, device: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,9 +186,9 @@ class BackwardKernels:
         ddot = unwritten(torch.empty(self.ddot_shape, dtype=self.stats.dot_grads.dtype, device=device or rowstats.device))
         return drow, ddot
 
-    def rows_args(self, inputs, rowstats, out, grad, bufs, drow, ddot) -> list:
-        return self.common(inputs, bufs, "rows", rowstats, drow, ddot, out=out, dout=grad) + [*self.region.batch,
-                                                                                          self.region.M]
+    def rows_args(self, inputs, rowstats, out, grad, bufs, drow, ddot, row_grads=()) -> list:
+        return self.common(inputs, bufs, "rows", rowstats, drow, ddot, out=out, dout=grad, row_grads=row_grads) + \
+            [*self.region.batch, self.region.M]
 
     def prefetch(self, inputs, rowstats, out, block_stats: dict, configs: dict) -> list:
         """The three kernels' compiles for a backward of these inputs, each on a compile thread

@@ -132,9 +132,13 @@ class CompiledRegion:
         return outs[0], rowstats
 
     def forward_all(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The output and the region's extra row outputs (each (*batch, M)): ``flashlight::region_rows``,
-        whose backward is the reference VJP (no row statistics needed)."""
-        return self.run_all(inputs)[0]
+        """The output, the region's extra row outputs (each (*batch, M)) and the row statistics
+        the generated backward reads (``flashlight::region_rows``); from the reference evaluator,
+        statistics of the same shape that its backward (the reference VJP) never reads."""
+        outs, rowstats = self.run_all(inputs)
+        if rowstats is None:
+            rowstats = inputs[0].new_empty(self.rowstats_shape, dtype=torch.float32)
+        return [*outs, rowstats]
 
     def run_all(self, inputs: list[torch.Tensor], stats: bool = True,
                 block_stats: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
@@ -341,23 +345,25 @@ class CompiledRegion:
     # -- backward -----------------------------------------------------------------------------
     def backward(self, inputs: list[torch.Tensor], rowstats: torch.Tensor, out: torch.Tensor | None,
                  grad: torch.Tensor, block_stats: dict | None = None,
-                 needed: Sequence[bool] | None = None) -> list[torch.Tensor | None]:
+                 needed: Sequence[bool] | None = None, row_grads: list[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
         """The generated kernels: row gradients, then dK/dV (and the body loads' gradients) over
         key blocks, then dQ over query blocks, each tile kernel under its own config. Integer and
         bool inputs may get None. ``out``: the forward's output (None from a graph compiled
         before the op took it). ``block_stats``: the forward's sparsity statistics, if kept.
         ``needed``: which inputs' gradients are wanted (autograd's ``needs_input_grad``; None:
         all): a kernel that writes none of them is not launched, and the unneeded gradients are
-        None (trainable sink logits under frozen q, k, v need the row kernel alone)."""
+        None (trainable sink logits under frozen q, k, v need the row kernel alone). ``row_grads``:
+        the extra row outputs' gradients (``flashlight::region_rows``)."""
         k = self.backward_kernels()
         if k is None or not self.uses_kernel(inputs) or (out is None and from_output(self.region)):
-            return self.reference_backward(inputs, grad)
+            return self.reference_backward(inputs, grad if row_grads is None else [grad, *row_grads])
         tiles = k.needed_kernels(needed)
         rows = self.rows_config(inputs)
         bufs = k.buffers(inputs, tiles)
         block_stats = {} if block_stats is None else block_stats    # shared by the two tile kernels
         self.prefetched("rows")
-        drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows)   # out unread then
+        drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows,   # out unread then
+                              row_grads or ())
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
             self.prefetched(kernel)
             if kernel not in tiles:
@@ -786,8 +792,9 @@ region_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # -- regions with extra row outputs (logsumexp, row max, ...): one op returning all of them ------
-# Its backward is always the reference VJP (codegen.backward.backward_support declines row
-# outputs), so it returns no row statistics.
+# [output, *row outputs, row statistics]: the generated backward reads the statistics (and the
+# output) as ``flashlight::region``'s does, with the row outputs' gradients as more seeds of the
+# row kernel (``codegen.gradients.output_seeds``).
 @torch.library.custom_op("flashlight::region_rows", mutates_args=())
 def region_rows_op(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return REGISTRY[key].forward_all(list(inputs))
@@ -795,31 +802,41 @@ def region_rows_op(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @region_rows_op.register_fake
 def _region_rows_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return REGISTRY[key].new_outputs(inputs[0], fresh=lambda x: x)     # shapes only: nothing to poison
+    c = REGISTRY[key]       # shapes only: nothing to poison
+    return [*c.new_outputs(inputs[0], fresh=lambda x: x), inputs[0].new_empty(c.rowstats_shape, dtype=torch.float32)]
 
 
 @torch.library.custom_op("flashlight::region_rows_backward", mutates_args=())
-def region_rows_backward(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return REGISTRY[key].reference_backward(list(inputs), list(grads))
+def region_rows_backward(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
+                         rowstats: torch.Tensor | None = None, out: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """``rowstats`` and ``out`` last and optional: a backward graph compiled before they were
+    arguments still calls this op (the reference VJP then serves it)."""
+    c, inputs = REGISTRY[key], list(inputs)
+    if rowstats is None or out is None:
+        return c.reference_backward(inputs, list(grads))
+    grads = c.backward(inputs, rowstats, out, grads[0], row_grads=list(grads[1:]))
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]    # the schema: tensors
 
 
 @region_rows_backward.register_fake
-def _region_rows_backward_fake(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def _region_rows_backward_fake(key: str, inputs: list[torch.Tensor], grads: list[torch.Tensor],
+                               rowstats: torch.Tensor | None = None, out: torch.Tensor | None = None) -> list[torch.Tensor]:
     return [torch.empty_like(x) for x in inputs]
 
 
 def _setup_rows_context(ctx, inputs, output):
     key, tensors = inputs
     ctx.key = key
-    ctx.save_for_backward(*tensors)     # every output is differentiable; no row statistics
-    ctx.out_like = [(o.shape, o.dtype) for o in output]
+    ctx.mark_non_differentiable(output[-1])
+    ctx.save_for_backward(*tensors, output[-1], output[0])     # the inputs, row statistics, the output
+    ctx.out_like = [(o.shape, o.dtype) for o in output[:-1]]
 
 
 def _backward_rows(ctx, grads):
-    tensors = list(ctx.saved_tensors)
+    *tensors, rowstats, out = ctx.saved_tensors
     like = tensors[0]
     grads = [g if g is not None else like.new_zeros(shape, dtype=dt) for g, (shape, dt) in zip(grads, ctx.out_like)]
-    grads = region_rows_backward(ctx.key, tensors, grads)
+    grads = region_rows_backward(ctx.key, tensors, grads, rowstats, out)
     return None, [g if t.is_floating_point() else None for g, t in zip(grads, tensors)]
 
 
