@@ -8,7 +8,7 @@ import torch
 from .capture import Fallback
 from .capture.sdpa import OP as SDPA_OP
 from .ir import Region, free_vars, refs, walk
-from .ir.region import shift_gradients
+from .ir.scaling import shift_gradients
 
 
 def features(region: Region) -> list[str]:

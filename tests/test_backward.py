@@ -9,7 +9,7 @@ import torch
 
 import flashlight
 from flashlight.codegen.backward import backward_support
-from flashlight.ir.region import degree, shift_gradients
+from flashlight.ir.scaling import degree, shift_gradients
 from flashlight.examples import NAMES, VARIANTS
 from flashlight.ir import Input, Reduction, Region, call, const, load, red, var
 from flashlight.ir.derivative import DERIVATIVE, vjp

@@ -6,6 +6,7 @@ from flashlight.ir import Reduction, call, const, dot, red, var, walk
 from flashlight.ir.evaluate import evaluate
 from flashlight.ir.expr import load
 from flashlight.ir.region import Dot, Input
+from flashlight.ir.scaling import Shift
 from flashlight.rewrite import base2, factor_rows, make_online, rewrite, scales, split_offsets, split_sums
 from test_ir import softmax_region
 
@@ -33,13 +34,24 @@ def test_factor_rule_moves_normaliser_to_output():
 
 
 def test_scales_declines_when_not_homogeneous():
-    s = dot(0)
-    assert scales(call("exp", call("sub", s, red(0))), 0)
-    assert scales(call("mul", call("exp", call("sub", s, red(0))), n), 0)
-    assert scales(call("where", call("lt", n, const(3)), call("exp", call("sub", s, red(0))), const(0.0)), 0)
-    assert not scales(call("exp", call("sub", s, call("mul", red(0), const(2.0)))), 0)   # exp(x - 2m)
-    assert not scales(call("add", call("exp", call("sub", s, red(0))), const(1.0)), 0)    # + 1
-    assert not scales(call("sub", s, red(0)), 0)
+    s, m = dot(0), Shift(0)
+    assert scales(call("exp", call("sub", s, red(0))), m)
+    assert scales(call("mul", call("exp", call("sub", s, red(0))), n), m)
+    assert scales(call("where", call("lt", n, const(3)), call("exp", call("sub", s, red(0))), const(0.0)), m)
+    assert not scales(call("exp", call("sub", s, call("mul", red(0), const(2.0)))), m)   # exp(x - 2m)
+    assert not scales(call("add", call("exp", call("sub", s, red(0))), const(1.0)), m)    # + 1
+    assert not scales(call("sub", s, red(0)), m)
+
+
+def test_a_row_term_scales_online_only_under_a_max_that_bounds_it():
+    """exp(-m) scales with m, but in m's pass only where the max starts at or above 0 (softmax_1's
+    clamp): under a running max that starts at -inf, exp(-m_running) is unbounded."""
+    e = call("exp", call("neg", red(0)))
+    assert scales(e, Shift(0, online=False)) and not scales(e, Shift(0))
+    assert scales(e, Shift(0, extra=const(0.0))) and scales(e, Shift(0, extra=const(1.0)))
+    assert not scales(e, Shift(0, extra=const(-100.0)))
+    sink = load(1, (var("b0"),), "f")
+    assert scales(call("exp", call("sub", sink, red(0))), Shift(0, extra=call("maximum", sink, const(0.0))))
 
 
 def test_non_online_reduction_gets_second_pass():

@@ -32,7 +32,8 @@ import torch
 from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, walk
 from ..ir.derivative import ZERO, not_differentiable, tile, vjp
 from ..ir.expr import BINDS, children
-from ..ir.region import argmax_columns, from_output, output_exprs, rowstat_columns, shift_gradients
+from ..ir.region import argmax_columns, every_pass, from_output, rowstat_columns
+from ..ir.scaling import output_exprs, shift_gradients, shifted_sums
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, carry_init, extra_seeds, flush, grad_plan, in_bounds, output_seeds, per_head, scatter
@@ -48,7 +49,8 @@ def backward_support(region: Region) -> str | None:
     when the output is homogeneous of degree 0 in them the total derivative through m is zero and
     m is a constant in the backward; else (``shift_gradients``) dL/dm reaches the score at the
     argmax the forward saved, which needs a body of scores and loads and a constant extra
-    element (the argmax may be it). Sum bodies may read no other reduction (a row gradient of a sum
+    element (the argmax may be it). The sums a max shifts may run in its pass or a later one
+    (``ir.scaling.shifted_sums``). Sum bodies may read no other reduction (a row gradient of a sum
     read inside a body would need a pass over N before the tile loop). A sink element (``extra``:
     one more row-level element) shifts with the max too; a sum's gets its row gradient in the
     row kernel, which scatters it into the loads it reads (the sink logits)."""
@@ -56,10 +58,11 @@ def backward_support(region: Region) -> str | None:
         if any(region.reductions[j].kind == "dot" for j in refs(row.expr, "red")):
             return "a row output reads a P @ V product"
     shifted = shift_gradients(region)
+    shift = {k: j for j, m in enumerate(region.reductions) if m.kind == "max" for k in shifted_sums(region, j)}
     for j, r in enumerate(region.reductions):
         if r.extra is not None:
             inner = {v for v in free_vars(r.extra) if not v.startswith("b")} - {"m"}
-            if inner or refs(r.extra, "red") - {r.online} or refs(r.extra, "dot"):
+            if inner or refs(r.extra, "red") - {shift.get(j)} or refs(r.extra, "dot"):
                 return f"red{j}'s extra element is not a row value of its shift"
             op = not_differentiable(r.extra)
             if op:
@@ -72,7 +75,7 @@ def backward_support(region: Region) -> str | None:
             if r.extra is not None and r.extra.op != "const":
                 return f"red{j}'s extra element would take the gradient of its shift"
             continue
-        other = refs(r.body, "red") - {r.online}
+        other = refs(r.body, "red") - {shift.get(j)}
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
     exprs = output_exprs(region) + [e for d in region.dots for e in (d.q, d.k)]
@@ -245,8 +248,8 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
     for j in shift_gradients(region):    # dL/dm = dL/dm|direct - c sum_k <dL/dr_k, r_k>, r_k ~ exp(-c m)
         c = const(math.log(2.0) if region.reductions[j].base2 else 1.0)
         total = adjoints.get(red(j), ZERO)
-        for k, o in enumerate(region.reductions):
-            if o.online == j and red(k) in adjoints:
+        for k in shifted_sums(region, j):
+            if red(k) in adjoints:
                 total = call("sub", total, call("mul", call("mul", adjoints[red(k)], red(k)), c))
         g = f"tl.where(mask_o, tl.broadcast_to({em.emit(total, CTX_O, block)}, [BLOCK_M, BLOCK_DV]), 0.0)"
         block.lines += [f"dr{j} = tl.sum({g}, 1, keep_dims=True)  # the shift's gradient, for its argmax key",
@@ -612,9 +615,9 @@ class DKDVWriter(TileWriter):
                         sum_mask=in_bounds(ctx))
 
     def predicates(self) -> tuple:
-        """The forward's dead predicate (a tile it holds is skipped) and the bodies' full
-        predicate (a tile it holds takes the mask-free bodies)."""
-        return (dead_predicate(self.r, self.r.passes()[0]),
+        """The forward's dead predicate over all its passes (a tile it holds is skipped) and the
+        bodies' full predicate (a tile it holds takes the mask-free bodies)."""
+        return (dead_predicate(self.r, every_pass(self.r)),
                 full_predicate([self.r.reductions[j].body for j in self.plan.members]))
 
     def query_scan(self) -> tuple[str, str, str, str]:
@@ -720,8 +723,7 @@ class DQWriter(TileWriter):
         self.row_values(self.outer)
         self.accumulators()
         self.outer.lines += carry_init(self.carried, self.ctx_s)
-        members = self.r.passes()[0]
-        self.outer.lines += self.key_loops(members, self.key_block_grads)
+        self.outer.lines += self.key_loops(every_pass(self.r), self.key_block_grads)
         self.outer.lines.append("# gradients of the Q operands, accumulated over all key blocks")
         flush(self.em, self.carried, self.ctx_s, self.outer, self.plan.stored)
         self.write_grads("dq", CTX_Q)

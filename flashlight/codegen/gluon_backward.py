@@ -35,7 +35,8 @@ from typing import NamedTuple
 from ..ir import Expr, Region, dot, refs, substitute, walk
 from ..ir.derivative import vjp
 from ..ir.expr import var
-from ..ir.region import rowstat_columns, shift_gradients
+from ..ir.region import rowstat_columns
+from ..ir.scaling import shift_gradients
 from ..sparsity import TRUE, full_body, useful
 from .backward import DKDVWriter, DQWriter, backward_support, const_factor, dot_grads
 from .emit import Block, CodegenError, Ctx

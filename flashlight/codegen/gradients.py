@@ -30,7 +30,8 @@ from typing import NamedTuple
 from ..ir import Expr, Region, dot, free_vars, red, refs, substitute, walk
 from ..ir.derivative import tile, vjp
 from ..ir.expr import is_const, var
-from ..ir.region import shift_gradients
+from ..ir.region import every_pass
+from ..ir.scaling import shift_gradients
 from ..sparsity import dead_predicate, full_predicate
 from .emit import Block, Ctx, Emitter
 from .kernel import TILE
@@ -171,7 +172,7 @@ def group_loop(region: Region, accs: dict[str, list[Expr]], mode: str = "auto") 
                     name in free_vars(substitute(e, _quotient(name, lambda c: c == g, "grp"))) for e in operands):
                 continue
             if scan is None:
-                scan = free_vars(dead_predicate(region, region.passes()[0])) | free_vars(
+                scan = free_vars(dead_predicate(region, every_pass(region))) | free_vars(
                     full_predicate([rd.body for rd in region.reductions if rd.kind != "max"]))
             if name in scan:
                 continue

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ir import Region, Row, const, free_vars, substitute, var, verify, walk
-from ..ir.region import shift_gradients
+from ..ir.scaling import shift_gradients
 from .emit import prelude
 from .kernel import NEG_INF, KernelWriter
 

@@ -20,14 +20,12 @@ where every ``body_j`` may read the dots, loads, index vars and earlier reductio
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from typing import Callable
-
 from .expr import Expr, fmt, free_vars, refs, walk
+from .scaling import shift_gradients
 
 RED_KINDS = ("max", "sum", "dot")
 
@@ -167,117 +165,10 @@ def body_loads(region: Region) -> int:
     return len({x for r in region.reductions for x in walk(r.body) if x.op == "load" and x.kind == "f"})
 
 
-def _same(ds: list[float]) -> float | None:
-    return ds[0] if all(d == ds[0] for d in ds) else None
-
-
-# How an expression changes when the shift m of a group of sums G grows: the sums scale by some
-# c > 0 (c = exp(m_old - m_new), exp2 in base 2) and m moves by -log c (in its own units). An
-# expression either scales, e -> c^d e (degree d), or moves, e -> e + a ln c (a move a);
-# invariant is degree 0, which is move 0 too. Each DEGREE row: op -> degrees of the arguments ->
-# degree (None: not homogeneous).
-DEGREE: dict[str, Callable[[list[float]], float | None]] = {
-    "mul": lambda d: d[0] + d[1],
-    "div": lambda d: d[0] - d[1],
-    "div_safe": lambda d: d[0] - d[1],      # b == 0 iff c b == 0 (c > 0)
-    "add": _same, "sub": _same, "maximum": _same, "minimum": _same,
-    "neg": lambda d: d[0], "to_f": lambda d: d[0],
-    "relu": lambda d: d[0], "abs": lambda d: d[0],      # c > 0: relu(c x) = c relu(x), |c x| = c |x|
-    "where": lambda d: _same(d[1:]) if d[0] == 0 else None,
-}
-LN2 = math.log(2.0)
-
-
-def _const(e: Expr) -> float | None:
-    return float(e.args[0]) if e.op == "const" and e.kind == "f" else None
-
-
-# Each MOVES row: (node, [(kind, value) of the arguments: kind "mul" (a degree) or "add" (a move)])
-# -> (kind, value), or None to leave the node to DEGREE: exp of a move scales (softmax's
-# exp(s - m)), log of a scaled value moves (a logsumexp's log l), moves add.
-def _moved(ch: tuple) -> float | None:
-    return ch[1] if ch[0] == "add" or ch[1] == 0 else None
-
-
-def _scaled(ch: tuple) -> float | None:
-    return ch[1] if ch[0] == "mul" else None
-
-
-def _moves_sum(x: Expr, ch: list) -> tuple | None:
-    if not any(c[0] == "add" for c in ch) or any(_moved(c) is None for c in ch):
-        return None
-    a = [_moved(c) for c in ch]
-    return "add", a[0] + a[1] if x.op == "add" else a[0] - a[1] if x.op == "sub" else -a[0]
-
-
-def _moves_scaled(x: Expr, ch: list) -> tuple | None:
-    """A move times (or over) a constant."""
-    k = [_const(a) for a in x.args]
-    for i in (0, 1) if x.op == "mul" else (0,):
-        if ch[i][0] == "add" and k[1 - i] is not None:
-            return "add", ch[i][1] * k[1 - i] if x.op == "mul" else ch[i][1] / k[1 - i]
-    return None
-
-
-MOVES: dict[str, Callable[[Expr, list], tuple | None]] = {
-    "exp": lambda x, ch: None if _moved(ch[0]) is None else ("mul", _moved(ch[0])),
-    "exp2": lambda x, ch: None if _moved(ch[0]) is None else ("mul", _moved(ch[0]) * LN2),
-    "log": lambda x, ch: None if _scaled(ch[0]) is None else ("add", _scaled(ch[0])),
-    "log2": lambda x, ch: None if _scaled(ch[0]) is None else ("add", _scaled(ch[0]) / LN2),
-    "add": _moves_sum, "sub": _moves_sum, "neg": _moves_sum,
-    "mul": _moves_scaled, "div": _moves_scaled,
-}
-
-
-def degree(e: Expr, group: set[int], shift: int | None = None, base2: bool = False) -> float | None:
-    """The degree of ``e`` in the sums ``group``: 0 where it is invariant (a move of 0 too),
-    None where it neither scales nor stays. ``shift``: the max of the group, which moves by
-    -ln c (-log2 c in ``base2`` units). Ops without a row are of degree 0 when their arguments
-    are (sigmoid(a/l))."""
-    memo: dict[Expr, tuple | None] = {}
-    for x in walk(e):
-        if x.op == "red":
-            j = x.args[0]
-            memo[x] = ("mul", 1.0) if j in group else ("add", -1 / LN2 if base2 else -1.0) if j == shift \
-                else ("mul", 0.0)
-            continue
-        ch = [memo[a] for a in x.args if isinstance(a, Expr)] if x.op != "load" else []
-        if any(c is None for c in ch):
-            memo[x] = None
-            continue
-        found = MOVES[x.op](x, ch) if x.op in MOVES else None
-        if found is None:
-            ds = [_scaled(c) if c[1] else 0.0 for c in ch]
-            if any(d is None for d in ds):
-                memo[x] = None
-                continue
-            d = DEGREE[x.op](ds) if x.op in DEGREE else 0.0 if all(d == 0 for d in ds) else None
-            found = None if d is None else ("mul", d)
-        memo[x] = None if found is None else (found[0], round(found[1], 9))
-    ch = memo[e]
-    return None if ch is None else ch[1] if ch[0] == "mul" or ch[1] == 0 else None
-
-
-def output_exprs(region: Region) -> list[Expr]:
-    """What the program returns: the output, then the extra row outputs (a logsumexp)."""
-    return [region.out, *(row.expr for row in region.rows)]
-
-
-def shift_gradients(region: Region) -> list[int]:
-    """The running maxima the output is not invariant to, which therefore take a gradient: a
-    max m shifts the sums it rescales (``online``), which scale as exp(-m); where the outputs are
-    homogeneous of degree 0 in them and in its own exp(y - m) terms, and reads m nowhere else,
-    dL/dm = 0 and the backward treats m as a constant. Otherwise (a softmax with an epsilon in
-    its denominator: p = e / (sum e + eps), softpick's) dL/dm = dL/dm|direct - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and it
-    reaches the score at the row's argmax, which the forward saves (``rowstat_columns``)."""
-    found = []
-    for j, r in enumerate(region.reductions):
-        if r.kind != "max":
-            continue
-        group = {k for k, o in enumerate(region.reductions) if o.online == j}
-        if any(degree(e, group, shift=j, base2=r.base2) != 0 for e in output_exprs(region)):
-            found.append(j)
-    return found
+def every_pass(region: Region) -> list[int]:
+    """Every reduction, pass by pass: what the backward's tiles reverse, and whose dead predicate
+    its block scans test (a tile where every reduction gets its identity contributes nothing)."""
+    return [j for p in region.passes() for j in p]
 
 
 def rowstat_columns(region: Region) -> tuple[list[int | None], int]:

@@ -1,6 +1,6 @@
 """Algebra on reductions over N (DESIGN.md §3), as rule tables.
 
-Three tables:
+Tables:
 
 * ``CONCAT``: a max / sum over scores with one column appended (``torch.cat`` of a sink logit)
   is the reduction over the N keys combined with the body at the appended position, which
@@ -11,9 +11,9 @@ Three tables:
   second masks and re-normalisations (``p * g / (p * g).sum(-1)``) stay one pass.
 * ``OFFSET``: ``sum(x * (y - c)) = sum(x * y) - c * sum(x)`` for a row constant c, so the
   attention entropy ``-sum(p * log p)`` is a sum in the same pass as the softmax.
-* ``ONLINE``: when a summand depends on a running max ``m`` only through ``exp(x - m)`` it scales
-  by ``exp(m_old - m_new)`` as ``m`` grows, so the reduction can run in the same pass as the max
-  with a rescale (the flash-attention recurrence). Reductions that fit no rule run in a later
+* ``ONLINE`` (``ir.scaling``): when a summand depends on a running max ``m`` only through
+  ``exp(x - m)``, each bounded by 1, it scales by ``exp(m_old - m_new)`` as ``m`` grows, so the
+  reduction can run in the same pass as the max with a rescale (the flash-attention recurrence). Reductions that fit no rule run in a later
   pass of the same kernel, which recomputes the scores (see ``Region.passes``).
 
 Rules return None to decline.
@@ -26,6 +26,7 @@ from typing import Callable
 
 from ..ir import Dot, Expr, Reduction, Region, call, const, dot, free_vars, red, refs, substitute, var, verify, walk
 from ..ir.expr import children, simplify
+from ..ir.scaling import Shift, is_zero, scales, shifted
 
 
 # reduce over n in [0, N] of f(cat_n(x, e)) = combine(reduce over n < N of f(x), f(e) at n = N).
@@ -127,9 +128,9 @@ def seed_sums(region: Region) -> Region | None:
             continue
         for j in refs(r.body, "red"):
             m = region.reductions[j]
-            if m.kind != "max" or m.extra is None or not scales(r.body, j, m.base2):
+            if m.kind != "max" or m.extra is None or not scales(r.body, Shift.of(region, j)):
                 continue
-            ok = lambda t: row_constant(t, region) and refs(t, "red") == {j} and scales(t, j, m.base2)  # noqa: E731
+            ok = lambda t: row_constant(t, region) and refs(t, "red") == {j} and scales(t, Shift.of(region, j))  # noqa: E731
             found = _through(region, k, lambda x: _other_arg(x, "add", k, ok))
             if found is None:
                 continue
@@ -172,7 +173,7 @@ def _mul(e: Expr, region: Region) -> Pulled | None:
 def _where(e: Expr, region: Region) -> Pulled | None:
     c, a, b = e.args
     for live, other, put in ((a, b, lambda x: call("where", c, x, other)), (b, a, lambda x: call("where", c, other, x))):
-        if _is_zero(other):
+        if is_zero(other):
             inner, gs = pull(live, region)
             return (put(inner), gs) if gs else None                # where(c, x/r, 0) = where(c, x, 0) / r
     return None
@@ -292,60 +293,11 @@ def split_offsets(region: Region) -> Region | None:
     return None
 
 
-# scales(e, j): e(m') == e(m) * exp(m - m') where m = red(j), the running max.
-def _free(e: Expr, j: int) -> bool:
-    return j not in refs(e, "red")
-
-
-ONLINE: dict[str, Callable[[Expr, int, bool], bool]] = {
-    # exp(x - m), or exp2(x - m) when m is in log2 units (only the base-2 rule writes that)
-    "exp": lambda e, j, b2: not b2 and _shift(e, j),
-    "exp2": lambda e, j, b2: b2 and _shift(e, j),
-    "mul": lambda e, j, b2: (scales(e.args[0], j, b2) and _free(e.args[1], j)) or
-    (_free(e.args[0], j) and scales(e.args[1], j, b2)),
-    "div": lambda e, j, b2: scales(e.args[0], j, b2) and _free(e.args[1], j),
-    "div_safe": lambda e, j, b2: scales(e.args[0], j, b2) and _free(e.args[1], j),
-    "neg": lambda e, j, b2: scales(e.args[0], j, b2),
-    "add": lambda e, j, b2: scales(e.args[0], j, b2) and scales(e.args[1], j, b2),     # e(m) + f(m) scale alike
-    "sub": lambda e, j, b2: scales(e.args[0], j, b2) and scales(e.args[1], j, b2),
-    "where": lambda e, j, b2: _free(e.args[0], j) and all(scales(a, j, b2) or _is_zero(a) for a in e.args[1:]),
-    "to_f": lambda e, j, b2: scales(e.args[0], j, b2),
-    # positively homogeneous: f(c x) = c f(x) for the factor c = exp(m - m') > 0 (softpick's
-    # relu(exp(s - m) - exp(-m)) over sum |exp(s - m) - exp(-m)|)
-    "relu": lambda e, j, b2: scales(e.args[0], j, b2),
-    "abs": lambda e, j, b2: scales(e.args[0], j, b2),
-    "maximum": lambda e, j, b2: all(scales(a, j, b2) or _is_zero(a) for a in e.args),
-    "minimum": lambda e, j, b2: all(scales(a, j, b2) or _is_zero(a) for a in e.args),
-}
-
-
-def shifted(e: Expr, j: int) -> Expr | None:
-    """x when e = f(x - red j) with x free of red j, or 0 when e = f(-red j) (``exp(-m)``:
-    softmax_1's and softpick's row term); else None."""
-    a = e.args[0]
-    if a.op == "sub" and a.args[1] == red(j) and _free(a.args[0], j):
-        return a.args[0]
-    return const(0.0) if a.op == "neg" and a.args[0] == red(j) else None
-
-
-def _shift(e: Expr, j: int) -> bool:
-    return shifted(e, j) is not None
-
-
-def _is_zero(e: Expr) -> bool:
-    return e.op == "const" and e.args[0] == 0
-
-
-def scales(e: Expr, j: int, base2: bool = False) -> bool:
-    rule = ONLINE.get(e.op)
-    return bool(rule and rule(e, j, base2))
-
-
 def rescales_with(body: Expr, j: int, reads: frozenset[int], region: Region) -> bool:
     """May a sum of ``body`` (which, with its extra element, reads reductions ``reads``) run in the
     pass of max ``j``: it scales with j, and no other reduction it reads is a P @ V product?"""
     m = region.reductions[j]
-    return m.kind == "max" and scales(body, j, m.base2) and \
+    return m.kind == "max" and scales(body, Shift.of(region, j)) and \
         all(region.reductions[o].kind != "dot" for o in reads - {j})
 
 
@@ -356,7 +308,7 @@ def make_online(region: Region) -> Region | None:
         for j in refs(r.body, "red"):
             # an extra element is seeded before the loop: the max it reads must be seeded too
             m = region.reductions[j]
-            seeded = r.extra is None or (scales(r.extra, j, m.base2) and m.extra is not None)
+            seeded = r.extra is None or (scales(r.extra, Shift.of(region, j)) and m.extra is not None)
             if seeded and rescales_with(r.body, j, r.reads(), region):
                 reds = list(region.reductions)
                 reds[i] = replace(r, online=j)
@@ -452,7 +404,7 @@ def fold_log2e(e: Expr) -> Expr | None:
 
 def _shifts(e: Expr, j: int) -> list[Expr]:
     """The x of every exp(x - red j) in e."""
-    return [shifted(x, j) for x in walk(e) if x.op == "exp" and _shift(x, j)]
+    return [shifted(x, j) for x in walk(e) if x.op == "exp" and shifted(x, j) is not None]
 
 
 def _to_base2(e: Expr, j: int) -> Expr:
@@ -462,7 +414,7 @@ def _to_base2(e: Expr, j: int) -> Expr:
     def go(x: Expr) -> Expr:
         if x in memo:
             return memo[x]
-        if x.op == "exp" and _shift(x, j):
+        if x.op == "exp" and shifted(x, j) is not None:
             new = call("exp2", call("sub", fold_log2e(go(shifted(x, j))), red(j)))
         elif x == red(j):
             new = call("mul", red(j), const(math.log(2.0)))

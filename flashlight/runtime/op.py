@@ -29,7 +29,8 @@ from ..codegen import CodegenError, generate, generate_backward
 from ..codegen.gluon import generate_gluon, gluon_pays, gluon_support
 from ..ir import Region
 from ..ir.evaluate import evaluate, evaluate_all, evaluate_with_rowstats
-from ..ir.region import body_loads, from_output, rowstat_columns, shift_gradients
+from ..ir.region import body_loads, from_output, rowstat_columns
+from ..ir.scaling import shift_gradients
 from ..sparsity import STAT_BLOCK, dead_predicate, reads_loaded_rows, useful
 from ..tune import (INTERPRETER, ROWS, Config, TuningCache, backward_candidates, backward_heuristic, bucket, candidates,
                     cdiv, fit_rows, head_block, heuristic, pow2, smaller)
