@@ -107,15 +107,16 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
-S29)  # session 28's first call (~5 min; carry .s29 = f0684f6): the GPU tests of the shift rules and the
+S29)  # session 28's first call (~5 min; OLD=1 and carry .s29 = f0684f6 for the old side): the GPU tests of the shift rules and the
     # shift gradients (softpick's argmax kept under the compiled kernel's `if STATS`), the bf16 gradient
     # ones, then benchmarks.shifts here and at f0684f6 (softpick's max and isfinite mask as N x N
     # tensors, softmax_1 in two passes, all three trained through the reference VJP)
-  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "shifts_bf16 or row_output_gradients or bf16_forward_and_gradients" \
+  timeout -k 10 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "shifts_bf16 or row_output_gradients or bf16_forward_and_gradients" \
     > $OUT/test_gpu_s29.txt 2>&1
   echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed" $OUT/test_gpu_s29.txt | cut -c1-200
   OUT=$OUT/shifts timeout -k 5 120 python3 -m benchmarks.shifts > $OUT/shifts.txt 2>&1
   echo "shifts rc $?"; grep -v "^W\|Warning" $OUT/shifts.txt | cut -c1-220 | tail -3
+  [ -n "$OLD" ] || exit 0
   OUT=$OUT/shifts_old timeout -k 5 150 python3 scripts/with_tree.py .s29 benchmarks.shifts > $OUT/shifts_old.txt 2>&1
   echo "shifts at f0684f6 rc $?"; grep -v "^W\|Warning" $OUT/shifts_old.txt | cut -c1-220 | tail -4
   ;;
