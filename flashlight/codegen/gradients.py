@@ -173,7 +173,7 @@ def group_loop(region: Region, accs: dict[str, list[Expr]], mode: str = "auto") 
                 continue
             if scan is None:
                 scan = free_vars(dead_predicate(region, every_pass(region))) | free_vars(
-                    full_predicate([rd.body for rd in region.reductions if rd.kind != "max"]))
+                    full_predicate([rd.body for rd in region.reductions]))     # a max's too (shift_gradients)
             if name in scan:
                 continue
             loops = [s for s in range(g, 1, -1) if g % s == 0
