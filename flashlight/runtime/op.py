@@ -561,7 +561,7 @@ def skipped_fraction(region: Region, inputs, block_m: int, block_n: int) -> floa
     nm, nn = cdiv(region.M, block_m), cdiv(region.N, block_n)
     pad = torch.nn.functional.pad(d, (0, nn * block_n - region.N, 0, nm * block_m - region.M), value=True)
     live = ~pad.view(-1, nm, block_m, nn, block_n).all(4).all(2)      # [batch, nm, nn]
-    idx = torch.arange(nn).expand_as(live)
+    idx = torch.arange(nn, device=live.device).expand_as(live)
     first = torch.where(live, idx, nn).amin(-1, keepdim=True)
     last = torch.where(live, idx, -1).amax(-1, keepdim=True)
     visited = (idx >= first) & (idx <= last)
