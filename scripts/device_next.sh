@@ -1,4 +1,8 @@
-# Session 28 (on an H100 or the H200): S29 (carry .s29 = git archive f0684f6), then S28 (carry .s28), then G.
+# Session 29's plan (session 28: docs/notes.md "Session 28"; 3 of 14 calls ran, one H100: G 64 passed,
+#   S29 without its old side): leave kind out. If an H200 comes: F (the flex suite, #6), then TR with
+#   LIMIT=250 (#5). On an H100: S28 (carry .s28 = git archive e058c67: IPA D=128, joined D=128, fit_rows),
+#   then OLD=1 S29 (carry .s29 = git archive f0684f6: benchmarks.shifts' old side, the reference VJP).
+# Session 28 ran S29 (the explain bug failed 6 GPU tests), the 7 again (passed), then G (64 passed).
 # Session 28's plan (session 27: docs/notes.md "Session 27"; three calls ran, all H100s; 54 GPU tests
 #   passed in full): leave kind out. If an H200 comes: F (the flex suite, issue #6's table on the H200),
 #   then TR with LIMIT=250 (issue #5's table). On an H100: S28 below (IPA at D=128 under the new
