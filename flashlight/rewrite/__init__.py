@@ -13,8 +13,11 @@ Tables:
   attention entropy ``-sum(p * log p)`` is a sum in the same pass as the softmax.
 * ``ONLINE`` (``ir.scaling``): when a summand depends on a running max ``m`` only through
   ``exp(x - m)``, each bounded by 1, it scales by ``exp(m_old - m_new)`` as ``m`` grows, so the
-  reduction can run in the same pass as the max with a rescale (the flash-attention recurrence). Reductions that fit no rule run in a later
-  pass of the same kernel, which recomputes the scores (see ``Region.passes``).
+  reduction can run in the same pass as the max with a rescale (the flash-attention
+  recurrence). Reductions that fit no rule run in a later pass of the same kernel, which
+  recomputes the scores (see ``Region.passes``).
+* ``clamp-shifts`` / ``seed-sums``: row terms of a clamped shift and of a normaliser become the
+  reductions' ``extra`` elements (softmax_1 as a sink of logit 0).
 
 Rules return None to decline.
 """
@@ -101,7 +104,8 @@ def clamp_shifts(region: Region) -> Region | None:
     """A running max read only as ``maximum(max_n x, c)`` for a row value c is the max over the
     keys and one more element c, the max's ``extra`` (as a sink logit's): softmax_1 ("quiet"
     attention) clamps its shift at 0, ``m = s.amax(-1).clamp(min=0)``, so that its +1 term
-    ``exp(-m)`` cannot overflow. The sums it shifts then run in its pass."""
+    ``exp(-m)`` cannot overflow. Its exp(-m) terms are then bounded (``ir.scaling.bounded``)
+    and the sums that read them may run in its pass."""
     for j, r in enumerate(region.reductions):
         if r.kind != "max":
             continue
