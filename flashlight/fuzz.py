@@ -6,7 +6,8 @@ Each program draws: shapes (primes included), layout (BHSD or BSHD), where the s
 and its spelling (K and V of one head left to the products' broadcasting among them), a mask
 (none, causal, window, prefix, document ids, key padding, a boolean tensor) and its fill value
 (-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
-the softmax spelling, a second softmax map over the same V combined with the first (DiffAttn's
+the softmax spelling (a hand-written one's shift as ``max(...).values``, or changed: softmax_1's
+clamp and +1, an epsilon, softpick), a second softmax map over the same V combined with the first (DiffAttn's
 difference with a learned λ, or a mean), an epilogue (a head-merging reshape, an RMSNorm, a
 sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss); or the map
 spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``; q, k and v

@@ -32,7 +32,7 @@ import torch
 from ..ir import Expr, Region, call, const, dot, free_vars, red, refs, walk
 from ..ir.derivative import ZERO, not_differentiable, tile, vjp
 from ..ir.expr import BINDS, children
-from ..ir.region import argmax_columns, every_pass, from_output, rowstat_columns
+from ..ir.region import every_pass, from_output, rowstat_columns
 from ..ir.scaling import output_exprs, shift_gradients, shifted_sums
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
@@ -386,7 +386,7 @@ class TileWriter(KernelWriter):
                 if j in self.plan.members:      # its gradient, and the key it reaches (-1: none)
                     block.lines += [
                         f"dr{j} = tl.load(drow_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}",
-                        f"am{j} = tl.load(rowstats_ptr + {row} + {argmax_columns(self.r)[j]}, mask=mask_m, "
+                        f"am{j} = tl.load(rowstats_ptr + {row} + {self.argmax[j]}, mask=mask_m, "
                         f"other=-1.0).to(tl.int32){vec}"]
             elif j not in self.plan.members:
                 continue

@@ -249,6 +249,7 @@ class KernelWriter:
         self.em = Emitter()
         self.outer = Block()
         self.stats: list[BlockStat] = []
+        self.argmax = argmax_columns(region)      # max -> the column of its saved argmax (shift_gradients)
         # (V context, output context) of each DV piece of a P @ V product, or of the whole
         # padded tile; a product's state is r{j} plus the output context's suffix (``dv_state``)
         pieces = dv_pieces(region) if self.split_dv else None
@@ -301,7 +302,7 @@ class KernelWriter:
                 out.lines += [f"{dv_state(j, o)} = tl.full({TILE[o.name][2]}, {init}, tl.float32)" for _, o in self.dv_ctxs]
             else:
                 out.lines.append(f"r{j} = tl.full([BLOCK_M, 1], {init}, tl.float32)")
-            if j in argmax_columns(r):
+            if j in self.argmax:
                 out.lines.append(f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)  # -1: the extra element, or no key")
         self.seed(members)
         out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full))
@@ -394,7 +395,7 @@ class KernelWriter:
             if rows is not None:
                 row_max = f"({row_max} + {em.emit(rows, sctx, loop)})"
             row_max += f" * {scale!r}" if scale != 1.0 else ""
-            if j in argmax_columns(r):      # the first key of the maximum, for the shift's gradient
+            if j in self.argmax:      # the first key of the maximum, for the shift's gradient
                 loop.lines += [f"r{j}_blk = {row_max}", "if STATS:",
                                f"    r{j}_at = tl.where(r{j}_blk > r{j}, start_n + tl.argmax({body}, 1, keep_dims=True), "
                                f"r{j}_at)"]
@@ -477,7 +478,7 @@ class KernelWriter:
                                      for _, o in self.dv_ctxs]
             else:
                 self.outer.lines.append(f"    tl.store({row} + {c}, {self.em.red_names[j]}, mask=mask_m[:, None])")
-        for j, c in argmax_columns(self.r).items():
+        for j, c in self.argmax.items():
             self.outer.lines.append(f"    tl.store({row} + {c}, r{j}_at.to(tl.float32), mask=mask_m[:, None])")
 
     # -- whole kernel -------------------------------------------------------------------------

@@ -177,20 +177,25 @@ def rowstat_columns(region: Region) -> tuple[list[int | None], int]:
     None for a product recomputed from the output, ``from_output``); a max is stored as the
     shift the bodies used (-inf -> 0); then the argmax of every max in ``shift_gradients``
     (``argmax_columns``). Returns (first columns, W)."""
+    cols, w = _reduction_columns(region)
+    return cols, w + len(shift_gradients(region))
+
+
+def _reduction_columns(region: Region) -> tuple[list[int | None], int]:
+    """The reductions' first columns and their width (``rowstat_columns`` without the argmaxes)."""
     cols, w, skip = [], 0, from_output(region)
     for j, rd in enumerate(region.reductions):
         cols.append(None if j in skip else w)
         w += 0 if j in skip else region.DV if rd.kind == "dot" else 1
-    return cols, w + len(shift_gradients(region))
+    return cols, w
 
 
 def argmax_columns(region: Region) -> dict[int, int]:
     """The column of each ``shift_gradients`` max's argmax (a key index in fp32, exact below
     2^24; -1 where no key exceeds the max's extra element or every key is masked), after the
     reductions' columns."""
-    grads = shift_gradients(region)
-    w = rowstat_columns(region)[1] - len(grads)
-    return {j: w + i for i, j in enumerate(grads)}
+    w = _reduction_columns(region)[1]
+    return {j: w + i for i, j in enumerate(shift_gradients(region))}
 
 
 class VerifyError(AssertionError):

@@ -223,8 +223,9 @@ def shift_gradients(region: "Region") -> list[int]:
     max m shifts the sums it rescales (``online``), which scale as exp(-m); where the outputs are
     homogeneous of degree 0 in them and in its own exp(y - m) terms, and reads m nowhere else,
     dL/dm = 0 and the backward treats m as a constant. Otherwise (a softmax with an epsilon in
-    its denominator: p = e / (sum e + eps), softpick's) dL/dm = dL/dm|direct - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and it
-    reaches the score at the row's argmax, which the forward saves (``rowstat_columns``)."""
+    its denominator: p = e / (sum e + eps), softpick's) dL/dm = dL/dm|direct
+    - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and it reaches the score at the row's
+    argmax, which the forward saves (``rowstat_columns``)."""
     found = []
     for j, r in enumerate(region.reductions):
         if r.kind != "max":

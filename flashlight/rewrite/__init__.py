@@ -500,10 +500,7 @@ def _float_operands(x: Expr) -> Expr | None:
 def float_positions(region: Region) -> Region | None:
     """A distance between a query and a key position used in float arithmetic (ALiBi's
     ``slope * (n - m)``, relative-position biases) is computed as ``float(n) - float(m)``."""
-    conv = lambda e: substitute(e, _float_operands) if e is not None else None      # noqa: E731
-    reds = [replace(r, body=conv(r.body), extra=conv(r.extra)) for r in region.reductions]
-    new = replace(region, reductions=reds, out=conv(region.out),
-                  rows=[replace(x, expr=conv(x.expr)) for x in region.rows])
+    new = _map(region, _float_operands)
     return None if new == region else new
 
 
@@ -539,12 +536,7 @@ def factor_dot_scales(region: Region) -> Region | None:
         dots = list(region.dots)
         dots[j] = Dot(q, k)
         scaled = call("mul", dot(j), const(a * b))
-
-        def conv(e: Expr | None) -> Expr | None:
-            return None if e is None else substitute(e, lambda y: scaled if y == dot(j) else None)
-        reds = [replace(r, body=conv(r.body), extra=conv(r.extra)) for r in region.reductions]
-        return replace(region, dots=dots, reductions=reds, out=conv(region.out),
-                       rows=[replace(x, expr=conv(x.expr)) for x in region.rows])
+        return replace(_map(region, lambda y: scaled if y == dot(j) else None), dots=dots)
     return None
 
 

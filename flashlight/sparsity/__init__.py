@@ -88,8 +88,8 @@ def _float_class(c: Expr) -> tuple[str, Expr] | None:
 
 # a float class test -> (predicate under which it holds, under which it fails)
 CLASS_WHEN: dict[str, tuple[Callable[[Expr], Expr], Callable[[Expr], Expr]]] = {
-    "finite": (lambda x: finite_when(x), lambda x: neg_inf_when(x)),
-    "inf": (lambda x: neg_inf_when(x), lambda x: finite_when(x)),
+    "finite": (finite_when, neg_inf_when),
+    "inf": (neg_inf_when, finite_when),
 }
 
 
