@@ -45,6 +45,8 @@ def features(region: Region) -> list[str]:
         feats.add(f"{len(region.passes())}-pass")
     if any(r.extra is not None for r in region.reductions):
         feats.add("sink")
+    if any(r.scan for r in region.reductions):
+        feats.add("key-scan")       # partial sums over the keys (stick-breaking)
     if shift_gradients(region):
         feats.add("shift-gradient")     # the output depends on a max shift: its argmax is saved
     if len(region.dots) > 1:

@@ -466,11 +466,11 @@ def test_a_layer_that_does_not_fuse_keeps_its_reason_beside_a_later_one_that_doe
     """The second layer's candidate reads the first layer's unfused output: its reason stays
     (the first layer still runs unfused), unlike a candidate whose nodes a region computes."""
     def as_v(q, k, v):
-        o = torch.softmax((q @ k.transpose(-1, -2) * 0.25).cumsum(-1), -1) @ v
+        o = torch.softmax((q @ k.transpose(-1, -2) * 0.25).cumprod(-1), -1) @ v
         return torch.softmax(q @ k.transpose(-1, -2), -1) @ o
     q, k, v = (torch.randn(4, 40, 16) for _ in range(3))
     report = flashlight.explain(as_v, q, k, v)
-    assert len(report.regions) == 1 and ["cumsum" in f.reason for f in report.fallbacks] == [True], report
+    assert len(report.regions) == 1 and ["cumprod" in f.reason for f in report.fallbacks] == [True], report
 
 
 def test_the_output_dtype_is_part_of_a_regions_identity():

@@ -33,7 +33,7 @@ ROW_SUMS = {aten.sum, aten.mean}
 NOT_POINTWISE = {aten.amax, aten.softmax, aten._softmax, aten._safe_softmax, aten.log_softmax,
                  aten._log_softmax, aten.logsumexp, aten.cat, aten.slice, aten.select, aten.index,
                  aten.expand, aten.expand_as, aten.repeat, aten.repeat_interleave, aten.squeeze,
-                 aten.unsqueeze} | CONTRACTIONS | PERMUTES | RESHAPES | ROW_SUMS
+                 aten.unsqueeze, aten.flip, aten.cumsum, aten.gather} | CONTRACTIONS | PERMUTES | RESHAPES | ROW_SUMS
 
 
 def packet(node: fx.Node):

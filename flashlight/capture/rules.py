@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..ir import Expr, call, coerce, const, free_vars, refs, walk
 from ..ir.expr import is_const
 from ..ir.philox import LEVELS
+from .scans import cumsum, key_triangle, triangle_product
 from .symbolic import RULES, Builder, Sym, Unsupported, align, carries_grad, kind_of, meta, moved, static_shape, \
     written_after
 
@@ -395,6 +396,27 @@ def _fill(value_of: Callable):
     return rule
 
 
+def _flip(b, node, x, dims):
+    shape = out_shape(node)
+    flipped = {_norm_dim(d, len(shape)) for d in dims}
+    return view(b, node, x, lambda idx: tuple(call("sub", const(shape[d] - 1), i) if d in flipped else i
+                                              for d, i in enumerate(idx)))
+
+
+def _log_sigmoid(b, node, x):       # log(sigmoid(a)) = min(a, 0) - log1p(exp(-|a|)), without overflow
+    return pointwise(b, node, lambda a: call("sub", call("minimum", a, const(0.0)),
+                                             call("log1p", call("exp", call("neg", call("abs", a))))), x)
+
+
+def _softplus(b, node, x, beta=1, threshold=20):     # torch's: linear where beta * a > threshold
+    def f(a):
+        ba = a if beta == 1 else call("mul", a, const(float(beta)))
+        soft = call("log1p", call("exp", ba))
+        return call("where", call("gt", ba, const(float(threshold))), a,
+                    soft if beta == 1 else call("div", soft, const(float(beta))))
+    return pointwise(b, node, f, x)
+
+
 def _tri(keep: Callable[[Expr, Expr, int], Expr]):
     def rule(b, node, x, diagonal=0):
         s = b.sym(x)
@@ -625,12 +647,15 @@ def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, .
         ax = align(idx[:-2], bshape, sx.shape[:-2])
         ay = align(idx[:-2], bshape, sy.shape[:-2])
         K = sx.shape[-1]
+        scanned = triangle_product(b, sx, sy, ax, ay) if b.is_tile(idx, b.m, b.n) and shape[-2:] == (b.M, b.N) else None
+        if scanned is not None:
+            return scanned
         if b.is_tile(idx, b.m, b.n) and shape[-2:] == (b.M, b.N) and K == (b.DK or K):
             b.DK = K
             trained = b.grad_mode and carries_grad(node)
             q = computed_operand(b, x, sx, ax + (b.m, b.dk), wrap_x, ("m", "dk")) if trained else sx(ax + (b.m, b.dk))
             return b.add_dot(q, computed_operand(b, y, sy, ay + (b.dk, b.n), wrap, ("n",)))
-        if b.is_tile(idx, b.m, b.dv) and shape[-2:] == (b.M, b.DV) and K == b.N:
+        if b.is_tile(idx, b.m, b.dv) and shape[-2:] == (b.M, b.DV) and K == b.N and not key_triangle(b, sy, ay):
             body = sx(ax + (b.m, b.n))
             if refs(body, "dot"):
                 return b.add_reduction("dot", body, computed_operand(b, y, sy, ay + (b.n, b.dv), wrap, ("n",)))
@@ -827,6 +852,7 @@ RULES.update({
     aten.log1p: unary("log1p"), aten.expm1: unary("expm1"), aten.sqrt: unary("sqrt"),
     aten.rsqrt: unary("rsqrt"), aten.reciprocal: unary("reciprocal"), aten.tanh: unary("tanh"),
     aten.sigmoid: unary("sigmoid"), aten.relu: unary("relu"), aten.erf: unary("erf"),
+    aten.log_sigmoid: _log_sigmoid, aten.softplus: _softplus,
     aten.sin: unary("sin"), aten.cos: unary("cos"), aten.floor: unary("floor"),
     aten.ceil: unary("ceil"), aten.round: unary("round"), aten.nan_to_num: _nan_to_num,
     aten.square: lambda b, n, x: pointwise(b, n, lambda a: call("mul", a, a), x),
@@ -856,7 +882,7 @@ RULES.update({
     aten.flatten: _reshape, aten.unflatten: _reshape,
     aten.slice: _slice, aten.select: _select, aten.cat: _cat, aten.repeat_interleave: _repeat_interleave,
     aten.repeat: _repeat, aten.index: _index, aten.hstack: _stack_h, aten.embedding: _embedding,
-    aten.gather: _gather,
+    aten.gather: _gather, aten.flip: _flip,
     # index generators
     aten.arange: _arange,
     aten.ones: _fill(lambda a, k: 1), aten.zeros: _fill(lambda a, k: 0),
@@ -871,6 +897,7 @@ RULES.update({
     aten.softmax: _softmax, aten._softmax: _softmax, aten._safe_softmax: _softmax,
     aten.log_softmax: _log_softmax, aten._log_softmax: _log_softmax,
     aten.amax: _amax, aten.amin: _amin, aten.sum: _sum, aten.mean: _mean, aten.logsumexp: _logsumexp,
+    aten.cumsum: cumsum,
     # contractions
     aten.matmul: _matmul, aten.bmm: _matmul, aten.mm: _matmul, aten.einsum: _einsum, aten.baddbmm: _baddbmm,
 })

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from .. import _compat
 from ..ir import Dot, Expr, Reduction, const, dot, free_vars, load, red, refs, substitute, var, walk
+from ..ir.expr import scan
 
 aten = torch.ops.aten
 Idx = tuple  # tuple[Expr, ...]
@@ -301,3 +302,14 @@ class Builder:
         if r not in self.reductions:
             self.reductions.append(r)
         return red(self.reductions.index(r))
+
+    def add_scan(self, body: Expr, direction: str) -> Expr:
+        """Register a sum of ``body`` over the keys whose partial sums the region reads (a
+        ``direction`` scan: "prefix" or "suffix"); returns them at the tile's key, the key itself
+        excluded."""
+        if any(x.op == "cat_n" for x in walk(body)):
+            raise Unsupported("a cumulative sum over the keys and an appended column")
+        r = Reduction("sum", body, scan=direction)
+        if r not in self.reductions:
+            self.reductions.append(r)
+        return scan(self.reductions.index(r), (*self.bvars, self.m, self.n))

@@ -53,7 +53,10 @@ def backward_support(region: Region) -> str | None:
     (``ir.scaling.shifted_sums``). Sum bodies may read no other reduction (a row gradient of a sum
     read inside a body would need a pass over N before the tile loop). A sink element (``extra``:
     one more row-level element) shifts with the max too; a sum's gets its row gradient in the
-    row kernel, which scatters it into the loads it reads (the sink logits)."""
+    row kernel, which scatters it into the loads it reads (the sink logits). Partial sums over
+    the keys (scans) keep the reference VJP: their adjoint is a scan in the other direction."""
+    if any(r.scan for r in region.reductions):
+        return "partial sums over the keys (a cumulative sum): no generated backward yet"
     for row in region.rows:
         if any(region.reductions[j].kind == "dot" for j in refs(row.expr, "red")):
             return "a row output reads a P @ V product"

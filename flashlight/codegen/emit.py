@@ -337,6 +337,7 @@ class Emitter:
         self.red_names: dict[int, str] = {}  # red j -> Triton name valid at this point
         self.dot_names: dict[int, str] = {}  # dot i -> name of this pass's score tile
         self.loop_reds: set[int] = set()     # reductions being accumulated by the current loop
+        self.scan_names: dict[int, str] = {}  # scan j -> its partial sums on this key block's tile
         self.counter = 0
         # input -> its dims a tensor descriptor strides over (``descriptor_load``): the launch
         # turns the kernel's TMA constexpr on only when those tensors' layouts allow it
@@ -406,7 +407,7 @@ class Emitter:
             b = b.parent
         target = self.home(x, block)
         code = self._code(x, ctx, target)
-        if x.op in ("var", "const", "red", "dot", "tile") or (x.op == "load" and x.kind != "f"):
+        if x.op in ("var", "const", "red", "dot", "tile", "scan") or (x.op == "load" and x.kind != "f"):
             target.names[key] = code
             return
         name = self.fresh("t")
@@ -435,6 +436,10 @@ class Emitter:
             return self.red_names[x.args[0]]
         if x.op == "dot":
             return self.dot_names[x.args[0]]
+        if x.op == "scan":
+            if x.args[0] not in self.scan_names:
+                raise CodegenError("this kernel does not compute partial sums over the keys (scans)")
+            return self.scan_names[x.args[0]]
         if x.op == "tile":
             return x.args[0]
         if x.op == "load":

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from ..ir import Expr, Region, dot, free_vars, red, refs, substitute, walk
 from ..ir.derivative import tile, vjp
-from ..ir.expr import is_const, var
+from ..ir.expr import is_const, linear, var
 from ..ir.region import every_pass
 from ..ir.scaling import shift_gradients
 from ..sparsity import dead_predicate, full_predicate
@@ -254,28 +254,6 @@ Box = tuple[range | frozenset, ...]       # per dim of a tensor, the indices a s
 MAX_ENUMERATED = 1 << 20        # a dim's index set listed element by element only up to this size
 
 
-def _linear(ie: Expr) -> tuple[dict[str, int], int] | None:
-    """An int index as ({var: coefficient}, constant) where it is linear in its vars (adds and
-    products with constants), else None."""
-    if ie.kind != "i":
-        return None
-    if ie.op == "const":
-        return {}, ie.args[0]
-    if ie.op == "var":
-        return {ie.args[0]: 1}, 0
-    if ie.op in ("add", "mul") and len(ie.args) == 2:
-        a, b = (_linear(x) for x in ie.args)
-        if a is None or b is None:
-            return None
-        if ie.op == "add":
-            return {v: a[0].get(v, 0) + b[0].get(v, 0) for v in {*a[0], *b[0]}}, a[1] + b[1]
-        (f, c), (lin, k) = (a, b) if not a[0] else (b, a)
-        if f:
-            return None         # a product of two vars
-        return {v: c * x for v, x in lin.items()}, c * k
-    return None
-
-
 def _indices(terms: list[tuple[int, int]], start: int) -> range | frozenset | None:
     """The set {start + sum of coef * i, 0 <= i < extent} of (coef, extent) terms, where each
     value has one such sum: every coefficient is past the largest sum of the smaller ones (a
@@ -320,7 +298,7 @@ def owned(x: Expr, axes: tuple[str, ...], region: Region, group: Group | None = 
     seen: set[str] = set()
     box = []
     for ie, size in zip(index, region.inputs[x.args[0]].shape):
-        lin = _linear(ie)
+        lin = linear(ie)
         if lin is None or any(v not in extent or v in seen for v in lin[0]):
             return None
         idx = _indices([(c, extent[v]) for v, c in lin[0].items() if extent[v] > 1], lin[1])
@@ -360,7 +338,7 @@ def in_bounds(ctx: Ctx) -> str | None:
 def gathered(x: Expr) -> bool:
     """Does load ``x`` read its tensor through a computed index (a table at a bucket of the
     position, a per-document bias at the document id): an index not linear in its vars?"""
-    return any(_linear(ie) is None for ie in x.args[1])
+    return any(linear(ie) is None for ie in x.args[1])
 
 
 def uniform_add(x: Expr, val: str, ptr: str, mask: str, bounds: list[tuple[str, str]]) -> list[str]:

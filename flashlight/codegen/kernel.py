@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import Expr, Region, call, free_vars, refs, walk
-from ..ir.region import argmax_columns, rowstat_columns
+from ..ir.region import argmax_columns, rowstat_columns, scan_passes
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, jump_reads, max_terms, plain, prelude
 
@@ -101,7 +101,7 @@ def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
 
 
 def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, it: str,
-                heads: tuple[int, list[str]] | None = None) -> list[str]:
+                heads: tuple[int, list[str]] | None = None, reverse: bool = False) -> list[str]:
     """Loops setting ``var`` to the start of every block in ``segs`` ((lo, hi, mask-free?) block
     ranges; ``body(full)`` returns one block's lines): a mask-free range gets its own loop, and
     so does a single masked range; two masked ranges — the head and the tail around the full run
@@ -110,7 +110,15 @@ def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, i
     compile in a masked kernel, the first call's main cost. ``heads`` = (L, lines): each loop
     runs its blocks L times, ``gi`` = 0..L-1 (the dK/dV kernel's group loop: its query heads),
     the lines first in every iteration — one loop, not a loop of loops: Triton kept the nest's
-    accumulators in more registers (offline sm_90, D=64: 158 -> 255 and spills)."""
+    accumulators in more registers (offline sm_90, D=64: 158 -> 255 and spills). ``reverse``:
+    the blocks last to first (a suffix scan's pass), each range in its own loop, ranges in
+    reverse order."""
+    if reverse:
+        lines = []
+        for lo, hi, full in reversed(segs):
+            lines += [f"for {it} in range(0, ({hi}) - ({lo})):" + ("  # full blocks: no masks" if full else ""),
+                      f"    {var} = (({hi}) - 1 - {it}) * {block}", *("    " + x for x in body(full))]
+        return lines
     lines, masked = [], [seg for seg in segs if not seg[2]]
     if len(masked) > 2:
         raise CodegenError("more than two masked block ranges")
@@ -295,6 +303,9 @@ class KernelWriter:
     def write_pass(self, members: list[int]) -> None:
         r, em, out = self.r, self.em, self.outer
         em.loop_reds = set(members)
+        scans = {r.reductions[j].scan for j in members} - {None}
+        if len(scans) > 1:
+            raise CodegenError("prefix and suffix scans over the keys in one pass")
         for j in members:
             kind = r.reductions[j].kind
             init = NEG_INF if kind == "max" else "0.0"
@@ -305,7 +316,8 @@ class KernelWriter:
             if j in self.argmax:
                 out.lines.append(f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)  # -1: the extra element, or no key")
         self.seed(members)
-        out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full))
+        out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full),
+                                    reverse=scans == {"suffix"})
         for j in members:
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
@@ -315,12 +327,14 @@ class KernelWriter:
             else:
                 em.red_names[j] = f"r{j}"
 
-    def key_loops(self, members: list[int], body) -> list[str]:
+    def key_loops(self, members: list[int], body, reverse: bool = False) -> list[str]:
         """The loops over key blocks of a pass (``segments``); ``body(loop, full)`` writes one
         block into ``loop``. Returns the lines; the bodies come first so that their hoisted
-        invariants precede every guard. (The backward's dQ kernel reuses this with its own body.)"""
+        invariants precede every guard. (The backward's dQ kernel reuses this with its own body.)
+        ``reverse``: last block first (``block_loops``)."""
         loops = []
-        for guard, segs in self.segments(members):
+        segments = self.segments(members)
+        for guard, segs in (reversed(segments) if reverse else segments):
             indent = "    " if guard else ""
             segs = [(self.bounds(lo), self.bounds(hi), full) for lo, hi, full in segs]
 
@@ -329,7 +343,8 @@ class KernelWriter:
                 body(loop, full)
                 return loop.lines
             loops += ([guard] if guard else []) + [
-                indent + line for line in block_loops("start_n", "BLOCK_N", segs, lines_of, self.em.fresh("i"))]
+                indent + line for line in block_loops("start_n", "BLOCK_N", segs, lines_of, self.em.fresh("i"),
+                                                      reverse=reverse)]
         return loops
 
     def seed(self, members: list[int]) -> None:
@@ -385,6 +400,12 @@ class KernelWriter:
         # of its pass, which then share those scores (emit.max_terms)
         exact = jump_reads(r.exprs()) & set(members)
         sctx = plain(CTX_S) if exact else CTX_S
+        for j, red in reds:     # scans first: any body may read their partial sums
+            if red.scan:
+                x = full_tile(bound(em.emit(bodies[j], sctx, loop), "0.0"), bodies[j], sctx, r)
+                loop.lines += [f"x{j} = {x}", f"sc{j} = r{j} + tl.cumsum(x{j}, 1, reverse={red.scan == 'suffix'}) - x{j}"
+                               "  # the partial sums, this key excluded"]
+                em.scan_names[j] = f"sc{j}"
         for j, red in reds:      # running maxima first: the others rescale by them
             if red.kind != "max":
                 continue
@@ -408,6 +429,9 @@ class KernelWriter:
             em.red_names[j] = f"r{j}_safe"
         for j, red in reds:
             if red.kind == "max":
+                continue
+            if red.scan:
+                loop.lines.append(f"r{j} = r{j} + tl.sum(x{j}, 1, keep_dims=True)")
                 continue
             contrib = bound(em.emit(bodies[j], sctx, loop), "0.0")
             scaled = f"r{j} * alpha{red.online}" if red.online is not None else f"r{j}"
@@ -543,6 +567,9 @@ class KernelWriter:
         ]
 
     def passes(self) -> None:
+        why = scan_passes(self.r)
+        if why:
+            raise CodegenError(why)
         for p, members in enumerate(self.r.passes()):
             self.outer.lines.append(f"# pass {p}: reductions {members} over N")
             self.write_pass(members)

@@ -29,8 +29,10 @@ SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
 def splittable(region: Region) -> bool:
     """One pass over N, and the output in the tile's own layout (a permuted store's index is not
     rewritten by ``pack_heads`` and the runtime views the output as (*batch, M, DV)); no max that
-    takes a gradient (its argmax is not merged across splits)."""
-    return len(region.passes()) == 1 and region.out_index is None and not shift_gradients(region)
+    takes a gradient (its argmax is not merged across splits), no partial sums over the keys (a
+    scan's carry would cross the splits)."""
+    return len(region.passes()) == 1 and region.out_index is None and not shift_gradients(region) \
+        and not any(r.scan for r in region.reductions)
 
 
 def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
@@ -169,6 +171,8 @@ def generate_split(region: Region, name: str, allow_tf32: bool = False,
                    interpret: bool = False) -> tuple[str, list]:
     """Source of ``{name}_split`` and ``{name}_combine`` (same arguments) and the split kernel's
     block statistics."""
+    if not splittable(region):
+        raise CodegenError("not splittable across the keys (see splittable)")
     split = SplitWriter(region, f"{name}_split", allow_tf32, interpret)
     split.prologue()
     split.split_range()

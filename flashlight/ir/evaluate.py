@@ -70,6 +70,8 @@ class _Context:
             return ev.dot(x.args[0])
         if x.op == "red":
             return ev.red_value(x.args[0], self)
+        if x.op == "scan":
+            return ev.scans[x.args[0]]
         if x.op == "to_f":
             return self.memo[x.args[0]].to(ev.dtype)
         if x.op == "to_i":
@@ -94,6 +96,7 @@ class Evaluator:
         self.ctx_o = _Context(self, {**bdims, "m": region.M, "dv": region.DV})
         self.dots: dict[int, torch.Tensor] = {}
         self.reds: list[torch.Tensor] = []
+        self.scans: dict[int, torch.Tensor] = {}    # a scan's partial sums, (*batch, M, N)
 
     def full(self, t: torch.Tensor, ctx: _Context) -> torch.Tensor:
         return t.to(self.dtype).expand(ctx.shape)
@@ -116,8 +119,10 @@ class Evaluator:
 
     def run_all(self) -> list[torch.Tensor]:
         """The output and the extra row outputs (each (*batch, M))."""
-        for r in self.region.reductions:
+        for j, r in enumerate(self.region.reductions):
             body = self.full(self.ctx_s(r.body), self.ctx_s)
+            if r.scan:
+                self.scans[j] = partial_sums(body, r.scan)
             if r.kind == "max":
                 val = body.amax(-1, keepdim=True)
             elif r.kind == "sum":
@@ -134,6 +139,15 @@ class Evaluator:
             out = out.new_zeros(self.region.out_shape).index_put(idx, out)
         rows = [self.full(self.ctx_o(x.expr), self.ctx_o)[..., 0] for x in self.region.rows]
         return [out, *rows]
+
+
+def partial_sums(body: torch.Tensor, direction: str) -> torch.Tensor:
+    """The sums of ``body`` over the keys before each key ("prefix") or after it ("suffix"),
+    the key itself excluded."""
+    zero = torch.zeros_like(body[..., :1])
+    if direction == "prefix":
+        return torch.cat([zero, body[..., :-1].cumsum(-1)], -1)
+    return torch.cat([body[..., 1:].flip(-1).cumsum(-1).flip(-1), zero], -1)
 
 
 def evaluate(region: Region, inputs: Sequence[torch.Tensor]) -> torch.Tensor:

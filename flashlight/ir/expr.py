@@ -11,6 +11,8 @@ Leaves:
     load(i, idx)   element ``idx`` of the region's i-th input tensor
     dot(i)         the i-th score contraction ``sum_dk q_i[b, m, dk] * k_i[b, n, dk]``
     red(j)         the value of the region's j-th reduction over N (a row value)
+    scan(j, idx)   the partial sum of reduction j (a ``scan``) at the key of ``idx`` = (b..., m, n):
+                   over the keys before n (a prefix scan) or after it (a suffix scan), n excluded
     tile(name)     a value computed by a kernel writer (backward seeds, see ir/derivative.py)
 """
 from __future__ import annotations
@@ -72,6 +74,10 @@ def dot(i: int) -> Expr:
 
 def red(j: int) -> Expr:
     return Expr("red", (j,), "f")
+
+
+def scan(j: int, idx: tuple) -> Expr:
+    return Expr("scan", (j, tuple(idx)), "f")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,6 +168,8 @@ def simplify(e: Expr) -> Expr:
         if is_const(a[1], 0) and a[0].kind == e.kind: return a[0]
     if e.op == "sub" and is_const(a[1], 0) and a[0].kind == e.kind:
         return a[0]
+    if e.op == "sub" and e.kind == "i" and is_const(a[0]) and a[1].op == "sub" and a[1].args[0] == a[0]:
+        return a[1].args[1]                                                  # c - (c - x) = x: flip(flip(x))
     if e.op == "mul" and e.kind == "i":
         if is_const(a[0], 0) or is_const(a[1], 0): return const(0)
         if is_const(a[0], 1): return a[1]
@@ -181,6 +189,8 @@ def simplify(e: Expr) -> Expr:
                 return call("ne", y, y)
     if e.op == "not" and a[0].op == "not":
         return a[0].args[0]                                                  # not(not c) = c
+    if e.op == "abs" and a[0].op == "neg":
+        return simplify(Expr("abs", a[0].args, e.kind))                      # |-x| = |x|: log-sigmoids of s and -s share it
     if e.op in ("and", "or") and a[0] == a[1]:
         return a[0]                                                          # x & x = x | x = x
     if e.op == "and":
@@ -216,8 +226,11 @@ def coerce(x: Expr, kind: str) -> Expr:
 # ---------------------------------------------------------------------------------------------
 # Traversal
 # ---------------------------------------------------------------------------------------------
+INDEXED = ("load", "scan")      # leaves (number, index): their index expressions are their children
+
+
 def children(e: Expr) -> tuple[Expr, ...]:
-    if e.op == "load":
+    if e.op in INDEXED:
         return e.args[1]
     if e.op in ("var", "const", "dot", "red", "tile"):
         return ()
@@ -261,8 +274,8 @@ def substitute(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
     """Rebuild ``e`` bottom-up; ``fn`` may return a replacement for any node (or None)."""
     memo: dict[Expr, Expr] = {}
     for x in walk(e):
-        if x.op == "load":
-            new = Expr("load", (x.args[0], tuple(memo[c] for c in x.args[1])), x.kind)
+        if x.op in INDEXED:
+            new = Expr(x.op, (x.args[0], tuple(memo[c] for c in x.args[1])), x.kind)
         elif children(x):
             new = simplify(Expr(x.op, tuple(memo[c] for c in x.args), x.kind))
         else:
@@ -272,14 +285,41 @@ def substitute(e: Expr, fn: Callable[[Expr], Expr | None]) -> Expr:
     return memo[e]
 
 
+def linear(ie: Expr, signed: bool = False) -> tuple[dict[str, int], int] | None:
+    """An int index as ({var: coefficient}, constant) where it is linear in its vars (adds and
+    products with constants; with ``signed``, subtractions and negations too), else None."""
+    if ie.kind != "i":
+        return None
+    if ie.op == "const":
+        return {}, ie.args[0]
+    if ie.op == "var":
+        return {ie.args[0]: 1}, 0
+    if signed and ie.op == "neg":
+        a = linear(ie.args[0], signed)
+        return None if a is None else ({v: -c for v, c in a[0].items()}, -a[1])
+    if ie.op in ("add", "mul") or (signed and ie.op == "sub"):
+        a, b = (linear(x, signed) for x in ie.args)
+        if a is None or b is None:
+            return None
+        if ie.op != "mul":
+            sign = -1 if ie.op == "sub" else 1
+            return {v: a[0].get(v, 0) + sign * b[0].get(v, 0) for v in {*a[0], *b[0]}}, a[1] + sign * b[1]
+        (f, c), (lin, k) = (a, b) if not a[0] else (b, a)
+        if f:
+            return None         # a product of two vars
+        return {v: c * x for v, x in lin.items()}, c * k
+    return None
+
+
 def fmt(e: Expr) -> str:
     if e.op == "var":
         return e.args[0]
     if e.op == "const":
         v = e.args[0]
         return repr(v) if not (isinstance(v, float) and math.isinf(v)) else ("-inf" if v < 0 else "inf")
-    if e.op == "load":
-        return f"in{e.args[0]}[{', '.join(fmt(i) for i in e.args[1])}]"
+    if e.op in INDEXED:
+        name = "in" if e.op == "load" else "scan"
+        return f"{name}{e.args[0]}[{', '.join(fmt(i) for i in e.args[1])}]"
     if e.op in ("dot", "red", "tile"):
         return f"{e.op}{e.args[0]}"
     return f"{e.op}({', '.join(fmt(a) for a in e.args)})"

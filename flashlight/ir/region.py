@@ -13,6 +13,8 @@ A region computes, for every (b..., m)::
                 r_j[b, m, dv] = sum_n body_j[b, m, n] * V_j[b, n, dv]   (kind "dot")
                 a max / sum may have a row ``extra``: one more element, max(r_j, extra_j) /
                 r_j + extra_j (an attention sink: a logit column appended after the N keys)
+                a sum may be a ``scan``: the bodies of its pass read its partial sums over the
+                keys before (prefix) or after (suffix) each key, ``scan(j)`` (stick-breaking)
     out         out[b, m, dv] = out_expr(r..., loads)
     rows        row_i[b, m] = row_expr_i(r..., loads)     (extra outputs: logsumexp, row max, ...)
 
@@ -28,6 +30,7 @@ from .expr import Expr, fmt, free_vars, refs, walk
 from .scaling import shift_gradients
 
 RED_KINDS = ("max", "sum", "dot")
+SCANS = (None, "prefix", "suffix")      # a suffix scan's pass runs its key blocks last to first
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,15 @@ class Reduction:
     online: int | None = None   # index of the max reduction it is rescaled by (rewrite stage)
     extra: Expr | None = None   # over (b..., m): one more element of a max / sum (a sink column)
     base2: bool = False         # a max in log2 units (rewrite "base-2"): its sums rescale by exp2
+    scan: str | None = None     # a sum whose partial sums the bodies read: "prefix" or "suffix"
 
     def __post_init__(self):
         assert self.kind in RED_KINDS
         assert (self.v is not None) == (self.kind == "dot")
         assert self.extra is None or self.kind != "dot"
         assert not self.base2 or self.kind == "max"
+        assert self.scan in SCANS and (self.scan is None or (self.kind == "sum" and self.extra is None
+                                                             and self.online is None))
 
     def reads(self) -> frozenset[int]:
         """The reductions this one reads (in its body or its extra element)."""
@@ -107,14 +113,24 @@ class Region:
         return [self.out, *(row.expr for row in self.rows), *reds]
 
     def passes(self) -> list[list[int]]:
-        """Group reductions into passes over N (see rewrite.assign_passes)."""
-        level: list[int] = []
-        for j, r in enumerate(self.reductions):
-            deps = r.reads()
-            lv = 0
-            for d in deps:
-                lv = max(lv, level[d] if r.online == d else level[d] + 1)
-            level.append(lv)
+        """Group reductions into passes over N (see rewrite.assign_passes). A body that reads a
+        scan's partial sums runs in the scan's pass: the scan moves to its readers' pass when
+        that is later (``scan_passes`` checks that each reader could be in it)."""
+        lift: dict[int, int] = {}
+        for _ in range(len(self.reductions) + 1):
+            level: list[int] = []
+            for j, r in enumerate(self.reductions):
+                lv = lift.get(j, 0)
+                for d in r.reads():
+                    lv = max(lv, level[d] if r.online == d else level[d] + 1)
+                for d in refs(r.body, "scan"):
+                    lv = max(lv, level[d])
+                level.append(lv)
+            late = {d: level[j] for j, r in enumerate(self.reductions) for d in refs(r.body, "scan") if level[j] > level[d]}
+            if not late:
+                break
+            for d, lv in late.items():
+                lift[d] = max(lift.get(d, 0), lv)
         return [[j for j, lv in enumerate(level) if lv == p] for p in range(max(level, default=-1) + 1)]
 
     def __str__(self) -> str:
@@ -135,6 +151,7 @@ class Region:
             extra = f" v={fmt(r.v)}" if r.v is not None else ""
             on = f" online(red{r.online})" if r.online is not None else ""
             on += " base2" if r.base2 else ""
+            on += f" scan={r.scan}" if r.scan else ""
             extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)} {self.out_dtype}")
@@ -143,6 +160,17 @@ class Region:
             lines.append(f"  store [{', '.join(fmt(i) for i in self.out_index)}] of {shape}")
         lines += [f"  row{i} = {fmt(x.expr)} {x.dtype}" for i, x in enumerate(self.rows)]
         return "\n".join(lines)
+
+
+def scan_passes(region: Region) -> str | None:
+    """Why a reader of a scan's partial sums cannot run in the scan's pass (it also reads a
+    reduction of that pass or a later one), or None."""
+    level = {j: p for p, members in enumerate(region.passes()) for j in members}
+    for j, r in enumerate(region.reductions):
+        for d in refs(r.body, "scan"):
+            if level[d] != level[j]:
+                return f"red{j} reads the partial sums of red{d} and a reduction of their pass"
+    return None
 
 
 def from_output(region: Region) -> dict[int, int]:
@@ -219,6 +247,8 @@ def verify(region: Region) -> Region:
                 raise VerifyError(f"{what} reads red{x.args[0]} before it is computed")
             if x.op == "dot" and (not dots or x.args[0] >= len(region.dots)):
                 raise VerifyError(f"{what} reads {fmt(x)} outside the score context")
+            if x.op == "scan" and (not dots or not x.args[0] < max_red or not region.reductions[x.args[0]].scan):
+                raise VerifyError(f"{what} reads {fmt(x)}, not an earlier scan, or outside the score context")
             if x.op == "sum_dv" and what != "out":
                 raise VerifyError(f"{what} sums over dv outside the output tile: {fmt(x)}")
 

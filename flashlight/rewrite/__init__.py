@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..ir import Dot, Expr, Reduction, Region, call, const, dot, free_vars, red, refs, substitute, var, verify, walk
-from ..ir.expr import children, simplify
+from ..ir.expr import INDEXED, children, simplify
 from ..ir.scaling import Shift, is_zero, scales, shifted
 
 
@@ -128,7 +128,7 @@ def seed_sums(region: Region) -> Region | None:
     ``exp(-m) + sum_n exp(s - m)`` then leaves the output free of the shift m, which the
     generated backward needs (``backward_support``)."""
     for k, r in enumerate(region.reductions):
-        if r.kind != "sum":
+        if r.kind != "sum" or r.scan:
             continue
         for j in refs(r.body, "red"):
             m = region.reductions[j]
@@ -209,7 +209,7 @@ def _replace_red(region: Region, j: int, new: Expr, reds: list) -> Region:
 
 def factor_rows(region: Region) -> Region | None:
     for j, r in enumerate(region.reductions):
-        if r.kind == "max" or r.extra is not None:
+        if r.kind == "max" or r.extra is not None or r.scan:
             continue     # (a sink element is not scaled by the factor: it would need dividing)
         x, gs = pull(r.body, region)
         if not gs:
@@ -260,7 +260,7 @@ def _insert_red(region: Region, j: int, new: Reduction, combined: Expr) -> Regio
 
 def split_sums(region: Region) -> Region | None:
     for j, r in enumerate(region.reductions):
-        if r.kind == "max" or r.extra is not None or r.body.op not in SPLIT or one_pass(r.body, region):
+        if r.kind == "max" or r.extra is not None or r.scan or r.body.op not in SPLIT or one_pass(r.body, region):
             continue
         a, b = r.body.args
         if not (one_pass(a, region) and one_pass(b, region)):
@@ -282,7 +282,7 @@ OFFSET: dict[str, Callable[[Expr, Expr, Expr], Expr]] = {
 
 def split_offsets(region: Region) -> Region | None:
     for j, r in enumerate(region.reductions):
-        if r.kind == "max" or r.body.op != "mul" or r.extra is not None:
+        if r.kind == "max" or r.body.op != "mul" or r.extra is not None or r.scan:
             continue
         for x, yc in (r.body.args, r.body.args[::-1]):
             if yc.op not in OFFSET or row_constant(x, region) or not row_constant(yc.args[1], region):
@@ -307,7 +307,7 @@ def rescales_with(body: Expr, j: int, reads: frozenset[int], region: Region) -> 
 
 def make_online(region: Region) -> Region | None:
     for i, r in enumerate(region.reductions):
-        if r.kind == "max" or r.online is not None:
+        if r.kind == "max" or r.online is not None or r.scan:
             continue
         for j in refs(r.body, "red"):
             # an extra element is seeded before the loop: the max it reads must be seeded too
@@ -422,8 +422,8 @@ def _to_base2(e: Expr, j: int) -> Expr:
             new = call("exp2", call("sub", fold_log2e(go(shifted(x, j))), red(j)))
         elif x == red(j):
             new = call("mul", red(j), const(math.log(2.0)))
-        elif x.op == "load":
-            new = Expr("load", (x.args[0], tuple(go(c) for c in x.args[1])), x.kind)
+        elif x.op in INDEXED:
+            new = Expr(x.op, (x.args[0], tuple(go(c) for c in x.args[1])), x.kind)
         elif children(x):
             new = simplify(Expr(x.op, tuple(go(c) for c in x.args), x.kind))
         else:
@@ -554,14 +554,20 @@ RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
 ]
 
 
+def _scans(region: Region) -> list[tuple[int, Reduction]]:
+    return [(j, r) for j, r in enumerate(region.reductions) if r.scan]
+
+
 def rewrite(region: Region, debug: Callable[[str, Region], None] | None = None) -> Region:
-    """Apply the rules to a fixed point, verifying after each step."""
+    """Apply the rules to a fixed point, verifying after each step. A step that would change a
+    scan or its position is declined: the bodies read its partial sums as they are (the rules
+    that pull factors out of sums or split them skip scans themselves)."""
     changed = True
     while changed:
         changed = False
         for name, rule in RULES:
             new = rule(region)
-            if new is not None:
+            if new is not None and _scans(new) == _scans(region):
                 region = verify(new)
                 changed = True
                 if debug:

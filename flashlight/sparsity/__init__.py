@@ -50,7 +50,7 @@ def _branches(c: Expr, wa: Expr, wb: Expr) -> Expr:
 
 def _static(c: Expr) -> bool:
     """A condition of indices and loads only (a mask), which the block scan can evaluate."""
-    return not refs(c, "dot") and not refs(c, "red")
+    return not refs(c, "dot") and not refs(c, "red") and not refs(c, "scan")
 
 
 def true_when(c: Expr) -> Expr:
@@ -129,15 +129,53 @@ FINITE_WHEN: dict[str, Callable[[Expr], Expr]] = {
 }
 
 
-def _nonneg(e: Expr) -> bool:
-    return e.op in ("exp", "exp2", "abs", "relu", "sigmoid") or (e.op == "const" and e.args[0] >= 0)
+def nonneg(e: Expr) -> bool:
+    """Is ``e`` >= 0 (or NaN) wherever it is defined, by ``SIGN``?"""
+    rule = SIGN.get(e.op)
+    return rule(e, 1) if rule else False
+
+
+def nonpos(e: Expr) -> bool:
+    """Is ``e`` <= 0 (or NaN) wherever it is defined, by ``SIGN``?"""
+    rule = SIGN.get(e.op)
+    return rule(e, -1) if rule else False
+
+
+def _signed(e: Expr, s: int) -> bool:
+    return nonneg(e) if s > 0 else nonpos(e)
+
+
+def _cancels(e: Expr, s: int) -> bool:
+    """(a + b) - b has a's sign, rounded too (rounding is monotone: a <= 0 gives a + b <= b):
+    a flipped cumulative sum less the key's own term, the sum over the keys after it."""
+    a, b = e.args
+    return a.op == "add" and a.args[1] == b and _signed(a.args[0], s)
+
+
+# op -> whether its value has sign s (1: >= 0, -1: <= 0) given its operands' signs
+SIGN: dict[str, Callable[[Expr, int], bool]] = {
+    "const": lambda e, s: e.kind != "b" and s * e.args[0] >= 0,
+    "exp": lambda e, s: s > 0, "exp2": lambda e, s: s > 0, "abs": lambda e, s: s > 0,
+    "relu": lambda e, s: s > 0, "sigmoid": lambda e, s: s > 0, "sqrt": lambda e, s: s > 0,
+    "log1p": lambda e, s: _signed(e.args[0], s),
+    "neg": lambda e, s: _signed(e.args[0], -s),
+    "add": lambda e, s: _signed(e.args[0], s) and _signed(e.args[1], s),
+    "sub": lambda e, s: (_signed(e.args[0], s) and _signed(e.args[1], -s)) or _cancels(e, s),
+    "mul": lambda e, s: any(_signed(e.args[0], t) and _signed(e.args[1], s * t) for t in (1, -1)),
+    "minimum": lambda e, s: (_signed(e.args[0], s) and _signed(e.args[1], s)) if s > 0 else
+                            (_signed(e.args[0], s) or _signed(e.args[1], s)),
+    "maximum": lambda e, s: (_signed(e.args[0], s) or _signed(e.args[1], s)) if s > 0 else
+                            (_signed(e.args[0], s) and _signed(e.args[1], s)),
+    "where": lambda e, s: _signed(e.args[1], s) and _signed(e.args[2], s),
+    "to_f": lambda e, s: e.args[0].kind != "b" and _signed(e.args[0], s),
+}
 
 
 def _relu_zero_when(e: Expr) -> Expr:
     """relu(x) is 0 where x is -inf, or x = a - b with a = 0 and b >= 0 (softpick's
     ``relu(exp(s - m) - exp(-m))`` at a masked s)."""
     x = e.args[0]
-    if x.op == "sub" and _nonneg(x.args[1]):
+    if x.op == "sub" and nonneg(x.args[1]):
         return call("or", neg_inf_when(x), zero_when(x.args[0]))
     return neg_inf_when(x)
 
@@ -156,11 +194,41 @@ NEG_INF_WHEN: dict[str, Callable[[Expr], Expr]] = {
     "to_f": lambda e: neg_inf_when(e.args[0]),
 }
 
+UNDERFLOW = -1100.0     # exp(x) and exp2(x) of x <= this are 0, in float64 as in float32
+
+
+def underflow_when(e: Expr) -> Expr:
+    rule = UNDERFLOW_WHEN.get(e.op)
+    return rule(e) if rule else FALSE
+
+
+def _sum_under(a: Expr, b: Expr) -> Expr:
+    """a + b <= UNDERFLOW: one term is and the other is <= 0."""
+    return call("or", underflow_when(a) if nonpos(b) else FALSE, underflow_when(b) if nonpos(a) else FALSE)
+
+
+# e <= UNDERFLOW (or -inf) whenever the predicate holds: a large negative fill (stick-breaking's
+# ``masked_fill(mask, -1e5)`` of its log-weights) plus a term that cannot be positive.
+UNDERFLOW_WHEN: dict[str, Callable[[Expr], Expr]] = {
+    "const": lambda e: TRUE if e.kind == "f" and e.args[0] <= UNDERFLOW else FALSE,
+    "where": lambda e: _branches(e.args[0], underflow_when(e.args[1]), underflow_when(e.args[2])),
+    "add": lambda e: call("or", neg_inf_when(e), _sum_under(*e.args)),
+    "sub": lambda e: call("or", neg_inf_when(e), underflow_when(e.args[0]) if nonneg(e.args[1]) else FALSE),
+    "mul": lambda e: call("or", neg_inf_when(e), underflow_when(e.args[0]) if _at_least_one(e.args[1]) else
+                          underflow_when(e.args[1]) if _at_least_one(e.args[0]) else FALSE),
+    "to_f": lambda e: underflow_when(e.args[0]),
+}
+
+
+def _at_least_one(c: Expr) -> bool:
+    return c.op == "const" and c.kind == "f" and c.args[0] >= 1
+
+
 # e == 0 whenever the predicate holds.
 ZERO_WHEN: dict[str, Callable[[Expr], Expr]] = {
     "const": lambda e: TRUE if e.args[0] == 0 else FALSE,
-    "exp": lambda e: neg_inf_when(e.args[0]),                                        # exp(-inf) = 0
-    "exp2": lambda e: neg_inf_when(e.args[0]),
+    "exp": lambda e: call("or", neg_inf_when(e.args[0]), underflow_when(e.args[0])),  # exp(-inf) = 0
+    "exp2": lambda e: call("or", neg_inf_when(e.args[0]), underflow_when(e.args[0])),
     "mul": lambda e: call("or", zero_when(e.args[0]), zero_when(e.args[1])),
     "div": lambda e: zero_when(e.args[0]),
     "div_safe": lambda e: zero_when(e.args[0]),
@@ -176,12 +244,26 @@ def dead_predicate(region: Region, members: list[int]) -> Expr:
     dead = TRUE
     for j in members:
         r = region.reductions[j]
-        dead = call("and", dead, neg_inf_when(r.body) if r.kind == "max" else zero_when(r.body))
+        body = signed_scans(region, r.body)
+        dead = call("and", dead, neg_inf_when(body) if r.kind == "max" else zero_when(body))
     return dead
 
 
+def signed_scans(region: Region, e: Expr) -> Expr:
+    """``e`` with each scan leaf whose body has a sign clamped to it (``minimum(scan, 0)`` for a
+    sum of non-positive terms: the same value, with the sign ``SIGN`` can read)."""
+    def clamp(x: Expr) -> Expr | None:
+        if x.op != "scan":
+            return None
+        body = region.reductions[x.args[0]].body
+        return call("minimum", x, const(0.0)) if nonpos(body) else \
+            call("maximum", x, const(0.0)) if nonneg(body) else None
+    return substitute(e, clamp)
+
+
 def _dead_value(e: Expr) -> bool:
-    return e.op == "const" and e.kind == "f" and e.args[0] in (0.0, NEG_INF)
+    """0, -inf, or a fill whose exponential is 0 (``UNDERFLOW``)."""
+    return e.op == "const" and e.kind == "f" and (e.args[0] == 0.0 or e.args[0] <= UNDERFLOW)
 
 
 def live_branch(e: Expr) -> tuple[Expr, Expr] | None:
