@@ -7,7 +7,8 @@ and its spelling (K and V of one head left to the products' broadcasting among t
 (none, causal, window, prefix, document ids, key padding, a boolean tensor) and its fill value
 (-inf, -1e9, finfo.min), a bias of a random broadcast shape, a softcap,
 the softmax spelling (a hand-written one's shift as ``max(...).values``, or changed: softmax_1's
-clamp and +1, an epsilon, softpick), a second softmax map over the same V combined with the first (DiffAttn's
+clamp and +1, an epsilon, softpick), the scores less a cumulative sum over the keys (prefix,
+flipped, or a product with a triangle of ones), a second softmax map over the same V combined with the first (DiffAttn's
 difference with a learned λ, or a mean), an epilogue (a head-merging reshape, an RMSNorm, a
 sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt-oss); or the map
 spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``; q, k and v
@@ -44,11 +45,12 @@ class Program:
     oracle: object = None       # the float64 reference's program, when it must differ from ``fn``
 
 
-def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = True) -> Program:
+def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = True, scans: bool = True) -> Program:
     """A random program. ``sizes`` overrides the drawn sizes (``B``, ``H``, ``M``, ``N``, ``D``,
     ``Dv``; drawn all the same, so a seed keeps the rest of its program): the Gluon fuzz asks for
     whole blocks and head dims 64 / 128. ``stops=False``: no stopped gradient (``detach()``, a
-    ``no_grad`` term), which only the capture sees (the Gluon fuzz compares kernels)."""
+    ``no_grad`` term), which only the capture sees (the Gluon fuzz compares kernels); ``scans=False``:
+    no cumulative sum over the keys (no Gluon kernel computes one)."""
     B, H = rng.choice([1, 2]), rng.choice([1, 2, 4])
     M = rng.choice([1, 2, 5, 13, 16, 31, 37, 64, 70])
     N = rng.choice([M, M, 3, 17, 29, 48, 61, 83])
@@ -147,6 +149,10 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             with torch.no_grad():
                 term = torch.tanh(scores(q, k) * 0.1)
             s = s + term
+        if scan != "none":                  # minus sums over the keys before / after each key (a scan)
+            g = torch.sigmoid(s) * 0.1
+            s = s - (g.cumsum(-1) if scan == "prefix" else g.flip(-1).cumsum(-1).flip(-1) if scan == "suffix"
+                     else g @ torch.ones(N, N, dtype=g.dtype).tril(-1))
         qi = torch.arange(M)[:, None]
         ki = torch.arange(N)[None, :]
         bias_t = None
@@ -260,12 +266,16 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # the hand-written softmax's shift (drawn last, likewise): torch.max(...).values, softmax_1's
     # clamped shift and +1, an epsilon in the denominator (the shift takes a gradient), softpick
     shift = rng.choice(["amax"] * 4 + ["max_values", "softmax_one", "eps", "softpick"]) if spelling == "hand" else "amax"
+    # the scores less a cumulative sum over the keys: prefix, suffix (flipped), or a product with
+    # tril(ones) (drawn last, likewise)
+    scan = rng.choice(["none"] * 6 + ["prefix", "suffix", "triangle"])
+    scan = scan if scans and not sdpa else "none"
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
             f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
-            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift}")
+            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program

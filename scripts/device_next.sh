@@ -111,6 +111,18 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+S30)  # session 29 (~4 min; then S28 in the same call if time is left): stick-breaking's scans over the keys
+    # (Reduction.scan: tl.cumsum per key block, the blocks walked last to first) in bf16 against
+    # float64, then benchmarks.scans (forward one kernel, the step through the reference VJP) against Inductor
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "scans_bf16 or shifts_bf16" \
+    > $OUT/test_gpu_s30.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed|Error" $OUT/test_gpu_s30.txt | cut -c1-250 | head -12
+  OUT=$OUT/scans timeout -k 5 150 python3 -m benchmarks.scans > $OUT/scans.txt 2>&1
+  echo "scans rc $?"; grep -v "^W\|Warning" $OUT/scans.txt | cut -c1-250 | tail -3
+  OUT=$OUT/scans4k timeout -k 5 120 python3 -m benchmarks.scans --b 2 --n 4096 > $OUT/scans4k.txt 2>&1
+  echo "scans 4k rc $?"; grep -v "^W\|Warning" $OUT/scans4k.txt | cut -c1-250 | tail -3
+  [ -n "$THEN" ] && bash "$0" "$THEN"
+  ;;
 S29)  # session 28's first call (~5 min; OLD=1 and carry .s29 = f0684f6 for the old side): the GPU tests of the shift rules and the
     # shift gradients (softpick's argmax kept under the compiled kernel's `if STATS`), the bf16 gradient
     # ones, then benchmarks.shifts here and at f0684f6 (softpick's max and isfinite mask as N x N

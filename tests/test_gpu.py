@@ -111,6 +111,26 @@ def test_shifts_bf16(case):
     check_against_float64(SimpleNamespace(attention=fn), inputs, out, torch.autograd.grad(out, inputs, dout), dout)
 
 
+@pytest.mark.parametrize("case", ["reference_triangle_product", "flipped_cumsum", "softplus_total_minus_prefix",
+                                  "triu_product"])
+def test_scans_bf16(case):
+    """Stick-breaking's sums over the keys after each key (and a prefix sum): the compiled
+    forward walks the key blocks in the scan's direction (tl.cumsum per block, the carry across
+    blocks); the gradients are the reference VJP's. 333 keys: a ragged last block, processed
+    first by a suffix scan; the first query sees no key."""
+    from types import SimpleNamespace
+
+    from test_scans import PROGRAMS
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    r = flashlight.explain(PROGRAMS[case], *inputs).regions[0]
+    assert "key-scan" in r.features, r.features
+    out = torch.compile(PROGRAMS[case], backend="flashlight")(*inputs)
+    dout = torch.randn_like(out)
+    check_against_float64(SimpleNamespace(attention=PROGRAMS[case]), inputs, out,
+                          torch.autograd.grad(out, inputs, dout), dout)
+
+
 @pytest.mark.parametrize("case", ["lse_causal", "entropy", "row_max"])
 def test_row_output_gradients_bf16(case):
     """A logsumexp, the attention entropy and the row max returned next to the output: their

@@ -10,10 +10,13 @@ FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask
 # ... and these it cannot (several softmaxes, post-softmax ops, epilogues, no softmax at all,
 # a sink column concatenated to the scores, squared distances between 3-D points, the heads
 # merged into the output's rows by the kernel's store, rotary embeddings applied to q and k, a
-# rectified softmax whose output depends on its max shift).
+# rectified softmax whose output depends on its max shift, stick-breaking's sums over the keys
+# after each key).
 BEYOND_NAMES = ["diff_attention", "diff_transformer", "gated", "hand_softmax", "relu_attention",
                 "sigmoid_attention", "evoformer", "relative_position", "sinks", "sinks_sliding_window", "ipa",
-                "post_softmax", "merged_heads", "rope", "softpick"]
+                "post_softmax", "merged_heads", "rope", "softpick", "stick_breaking"]
+# ... of which these train through the reference VJP (materialised scores), not generated kernels
+REFERENCE_BACKWARD = {"stick_breaking"}
 # ... and decoding (few queries against a long KV cache: split-KV kernels).
 DECODE_NAMES = ["decode_gqa", "paged_decode"]
 NAMES = FLEX_NAMES + BEYOND_NAMES + DECODE_NAMES

@@ -1,0 +1,172 @@
+"""Partial sums over the keys (``Reduction.scan``): stick-breaking attention written the ways
+its reference code and users write the sums over the keys after each key (a triangle product,
+a flipped cumulative sum) and before it (a cumulative sum, a ``triu`` product). Each fuses into
+one kernel that walks the key blocks in the scan's direction, matches float64 eager forward and
+backward (the reference VJP), and skips the blocks its underflowing mask kills."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashlight
+from flashlight.capture.scans import COL, triangle
+from flashlight.examples import stick_breaking, vanilla
+from flashlight.ir import call, const, var
+from flashlight.ir.expr import scan
+from flashlight.sparsity import nonneg, nonpos, zero_when
+from helpers import check_fused, check_grads
+
+B, H, M, N, D = 1, 2, 37, 70, 16
+
+
+def _logits(q, k):
+    return q @ k.mT / math.sqrt(q.shape[-1])
+
+
+def _masks(q, k, attend_current=False):
+    Mq, Nk = q.shape[-2], k.shape[-2]
+    return torch.ones(Mq, Nk, dtype=torch.bool, device=q.device).triu(Nk - Mq + int(attend_current))
+
+
+def flipped_cumsum(fill=-1e5):
+    """The suffix sums as ``flip(cumsum(flip(x)))``, the key itself subtracted."""
+    def attention(q, k, v):
+        s, mask = _logits(q, k), _masks(q, k)
+        log_z = F.logsigmoid(s).masked_fill(mask, fill)
+        log_beta = F.logsigmoid(-s).masked_fill(mask, 0)
+        after = log_beta.flip(-1).cumsum(-1).flip(-1) - log_beta
+        return torch.exp(log_z + after) @ v
+    return attention
+
+
+def softplus_total_minus_prefix(q, k, v):
+    """The same weights from a prefix sum: sum over k > j = total - sum over k <= j, with
+    log(1 - sigmoid(s)) = -softplus(s) and the mask as -inf."""
+    s, mask = _logits(q, k), _masks(q, k)
+    neg = F.softplus(s).masked_fill(mask, 0)
+    after = neg.sum(-1, keepdim=True) - neg.cumsum(-1)
+    return torch.exp(F.logsigmoid(s).masked_fill(mask, float("-inf")) - after) @ v
+
+
+def triu_product(q, k, v):
+    """A prefix sum as a product with ``triu(1)``: each key weighs in the gates of the keys
+    before it (a "forward" stick-breaking over the key order), a per-key gate loaded."""
+    s = _logits(q, k)
+    T = k.shape[-2]
+    before = torch.einsum("bhij,jk->bhik", torch.sigmoid(s) * 0.1, torch.ones(T, T, dtype=s.dtype).triu(1))
+    return torch.softmax(s - before, -1) @ v
+
+
+PROGRAMS = {
+    "reference_triangle_product": stick_breaking.attention,
+    "flipped_cumsum": flipped_cumsum(),
+    "softplus_total_minus_prefix": softplus_total_minus_prefix,
+    "triu_product": triu_product,
+}
+
+
+def _inputs(M=M, N=N):
+    return vanilla.make_inputs(B=B, H=H, M=M, N=N, D=D)
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_fuses_one_pass_and_matches_fp64(name):
+    _, report = check_fused(PROGRAMS[name], *_inputs())
+    r = report.regions[0]
+    # the total before the prefix sums: two passes (one would be the suffix scan, not yet seen)
+    assert "key-scan" in r.features and ("2-pass" in r.features) == (name == "softplus_total_minus_prefix"), r.features
+    assert ("block-sparse" in r.features) == (name != "triu_product"), r.features
+    assert "reference VJP" in r.backward, r.backward
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_gradients_match_fp64_through_the_reference_vjp(name):
+    check_grads(PROGRAMS[name], _inputs(M=21, N=21), generated=False)
+
+
+def test_suffix_scan_walks_the_key_blocks_last_to_first():
+    source = flashlight.explain(PROGRAMS["flipped_cumsum"], *_inputs()).regions[0].kernel_source
+    assert "tl.cumsum(x0, 1, reverse=True)" in source and "start_n = ((" in source, source
+
+
+def test_remaining_stick_and_rows_without_keys():
+    """IBM's reference also returns the stick left over, 1 - sum_j A_ij (a row output read from
+    a sum in the scan's pass); the first query sees no key: its output is 0 and its stick 1."""
+    def attention(q, k, v):
+        att = stick_breaking.stick_breaking(_logits(q, k))
+        return att @ v, 1 - att.sum(-1)
+    q, k, v = _inputs(M=N)
+    out, rem = torch.compile(attention, backend="flashlight")(q, k, v)
+    want = attention(q.double(), k.double(), v.double())
+    assert (out - want[0]).norm() / want[0].norm() < 1e-5 and (rem - want[1]).abs().max() < 1e-5
+    assert out[:, :, 0].abs().max() == 0 and rem[:, :, 0].eq(1).all()
+
+
+def test_a_fill_that_does_not_underflow_keeps_every_block():
+    """-10 is no mask for exp: the blocks above the diagonal still contribute e^-10 each."""
+    _, report = check_fused(flipped_cumsum(fill=-10.0), *_inputs())
+    assert "block-sparse" not in report.regions[0].features
+
+
+def test_scans_both_ways_in_one_pass_fall_back_with_a_reason():
+    def attention(q, k, v):
+        g = torch.sigmoid(_logits(q, k))
+        return (g * g.cumsum(-1) * g.flip(-1).cumsum(-1).flip(-1)) @ v
+    report = flashlight.explain(attention, *_inputs())
+    assert not report.regions and "prefix and suffix" in str(report), str(report)
+    q, k, v = _inputs()
+    out = torch.compile(attention, backend="flashlight")(q, k, v)
+    want = attention(q.double(), k.double(), v.double())
+    assert (out - want).norm() / want.norm() < 1e-6
+
+
+def test_flips_and_cumulative_sums_of_the_output_stay_outside_the_epilogue():
+    """They move elements of the output tile (not pointwise): the region ends before them."""
+    def attention(q, k, v):
+        o = torch.softmax(_logits(q, k), -1) @ v
+        return o.flip(-1) * 2 + o.cumsum(-2)
+    check_fused(attention, *_inputs())
+
+
+@pytest.mark.parametrize("keep, want", [
+    ("tril(-1)", ("suffix", False)), ("tril(0)", ("suffix", True)), ("triu(1)", ("prefix", False)),
+    ("triu(0)", ("prefix", True)), ("tril(-2)", None), ("triu(2)", None),
+])
+def test_triangles_of_ones_are_scans(keep, want):
+    """W[n, c] over (contracted key n, output column c) as ``_tri`` captures it: kept where
+    c - n <= d (tril) or >= d (triu)."""
+    n = var("n")
+    d = int(keep[5:-1])
+    cond = call("le" if keep.startswith("tril") else "ge", call("sub", COL, n), const(d))
+    assert triangle(call("where", cond, const(1.0), const(0.0)), n) == want
+    assert triangle(call("to_f", cond), n) == want
+    assert triangle(call("where", cond, const(2.0), const(0.0)), n) is None
+
+
+def test_underflow_rule_reads_the_sign_of_the_scan():
+    s = var("n").__mul__(1)         # any key-varying int; the rule only needs signs
+    logsig = call("sub", call("minimum", call("to_f", s), const(0.0)),
+                  call("log1p", call("exp", call("neg", call("abs", call("to_f", s))))))
+    assert nonpos(logsig) and not nonneg(logsig)
+    mask = call("ge", var("n"), var("m"))
+    part = call("minimum", scan(0, (var("m"), var("n"))), const(0.0))      # a sum of non-positive terms
+    body = call("exp", call("add", call("where", mask, const(-1e5), logsig), part))
+    assert zero_when(body) == mask
+    unsigned = call("exp", call("add", call("where", mask, const(-1e5), logsig), scan(0, (var("m"), var("n")))))
+    assert zero_when(unsigned).op == "const" and zero_when(unsigned).args[0] is False
+
+
+def test_a_cumsum_of_per_key_data_stays_a_load():
+    """FoX (forgetting attention): the cumulative log forget gates are a per-position vector,
+    read at the query and at the key; computed outside the kernel and loaded, so the region
+    keeps its generated backward (no scan)."""
+    def fox(q, k, v, log_f):
+        c = log_f.cumsum(-1)
+        s = _logits(q, k) + c[:, :, :, None] - c[:, :, None, :]
+        return torch.softmax(s.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf")), -1) @ v
+    q, k, v = _inputs(M=N)
+    log_f = F.logsigmoid(torch.randn(B, H, N) + 3)
+    _, report = check_fused(fox, q, k, v, log_f)
+    r = report.regions[0]
+    assert "key-scan" not in r.features and r.backward.startswith("generated"), (r.features, r.backward)
