@@ -65,7 +65,7 @@ def replace(graph: fx.Graph, match: Match, key: str, autograd: bool = True) -> d
     differentiated; ``flashlight::region_infer`` (the output alone) where it cannot be. Returns
     the replaced nodes' replacements (a later region may load one of them)."""
     if match.rows:
-        return replace_with_rows(graph, match, key)
+        return replace_with_rows(graph, match, key, autograd)
     with graph.inserting_before(match.root):
         if autograd:
             call = graph.call_function(torch.ops.flashlight.region.default, (key, list(match.leaves)))
@@ -93,11 +93,14 @@ def detached(graph: fx.Graph, match: Match) -> list[fx.Node]:
     return leaves
 
 
-def replace_with_rows(graph: fx.Graph, match: Match, key: str) -> dict[fx.Node, fx.Node]:
+def replace_with_rows(graph: fx.Graph, match: Match, key: str, autograd: bool = True) -> dict[fx.Node, fx.Node]:
     """One call returns the output and the extra row outputs (each (*batch, M), viewed back to
-    the shape the program had, e.g. keepdim's trailing 1)."""
+    the shape the program had, e.g. keepdim's trailing 1): ``flashlight::region_rows`` (and the
+    row statistics, for autograd) where the graph may be differentiated, else
+    ``flashlight::region_rows_infer`` (no statistics stored)."""
+    op = torch.ops.flashlight.region_rows.default if autograd else torch.ops.flashlight.region_rows_infer.default
     with graph.inserting_before(match.root):
-        call = graph.call_function(torch.ops.flashlight.region_rows.default, (key, list(match.leaves)))
+        call = graph.call_function(op, (key, list(match.leaves)))
         outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(match.rows) + 1)]
         views = [graph.call_function(torch.ops.aten.view.default, (o, list(n.meta["val"].shape)))
                  for o, n in zip(outs[1:], match.rows)]
@@ -573,8 +576,9 @@ def direct_calls(gm: fx.GraphModule) -> fx.GraphModule:
     op's function, and for the differentiable op an ``autograd.Function`` with the same saved
     tensors and backward: the dispatcher has nothing to add there (no tracing follows), and each
     call saves its cost."""
-    from .runtime.op import region_direct, region_train_direct
+    from .runtime.op import region_direct, region_rows_direct, region_train_direct
     direct = {torch.ops.flashlight.region_infer.default: region_direct,
+              torch.ops.flashlight.region_rows_infer.default: region_rows_direct,
               torch.ops.flashlight.region.default: region_train_direct}
     changed = False
     for n in gm.graph.nodes:

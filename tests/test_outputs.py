@@ -125,3 +125,24 @@ def test_row_value_of_the_output_is_not_a_row_output():
     got = torch.compile(f, backend="flashlight")(q, k, v)
     for a, b in zip(got, f(*(to64(x) for x in (q, k, v)))):
         assert rel_error(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("path", ["as is", "inductor"])
+def test_row_outputs_no_gradient_reaches_take_the_inference_op(path):
+    """Inputs that need no gradient: ``flashlight::region_rows_infer``, whose kernel stores no
+    row statistics (its launch runs with STATS off), in a graph that runs as is and in one
+    Inductor compiles; the outputs match float64."""
+    w = torch.randn(16, 16) / 4
+
+    def fn(q, k, v):
+        o, lse = lse_causal(q, k, v)
+        return (o, lse) if path == "as is" else (o @ w.to(o.dtype), lse * 2)
+    q, k, v = (torch.randn(1, 2, 37, 16) for _ in range(3))
+    report = flashlight.explain(fn, q, k, v)
+    ops = [getattr(n.target, "__name__", "") for g in report.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert [x for x in ops if "region" in x] == ["region_rows_direct" if path == "as is" else "region_rows_infer.default"], ops
+    got = torch.compile(fn, backend="flashlight")(q, k, v)
+    want = fn(*(to64(x) for x in (q, k, v)))
+    assert all(rel_error(a, b) < 1e-5 for a, b in zip(got, want))
+    metas = REGISTRY[report.regions[0].key].metas        # (config, STATS, TMA) of each launch
+    assert metas and not any(stats for _, stats, _ in metas), metas

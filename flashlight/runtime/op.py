@@ -124,6 +124,10 @@ class CompiledRegion:
         """The output alone (``flashlight::region_infer``): the kernel stores no row statistics."""
         return self.run_all(inputs, stats=False)[0][0]
 
+    def infer_all(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The output and the row outputs (``flashlight::region_rows_infer``), no statistics."""
+        return self.run_all(inputs, stats=False)[0]
+
     def run(self, inputs: list[torch.Tensor], block_stats: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The output and the row statistics the backward reads (``flashlight::region``).
         ``block_stats``: filled with the sparsity statistics computed here (``block_stat_args``),
@@ -712,6 +716,11 @@ def region_direct(key: str, inputs: list[torch.Tensor]) -> torch.Tensor:
     return REGISTRY[key].infer(inputs)
 
 
+def region_rows_direct(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flashlight::region_rows_infer`` without the dispatcher (``region_direct``'s twin)."""
+    return REGISTRY[key].infer_all(list(inputs))
+
+
 class RegionFunction(torch.autograd.Function):
     """``flashlight::region`` and its registered autograd without the dispatcher: what an FX
     graph that runs as is calls where it may be differentiated. The custom op's Python autograd
@@ -805,6 +814,17 @@ def region_rows_op(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 def _region_rows_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     c = REGISTRY[key]       # shapes only: nothing to poison
     return [*c.new_outputs(inputs[0], fresh=lambda x: x), inputs[0].new_empty(c.rowstats_shape, dtype=torch.float32)]
+
+
+@torch.library.custom_op("flashlight::region_rows_infer", mutates_args=())
+def region_rows_infer_op(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[output, *row outputs] for graphs that need no gradient: no row statistics are stored."""
+    return REGISTRY[key].infer_all(list(inputs))
+
+
+@region_rows_infer_op.register_fake
+def _region_rows_infer_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return REGISTRY[key].new_outputs(inputs[0], fresh=lambda x: x)
 
 
 @torch.library.custom_op("flashlight::region_rows_backward", mutates_args=())
