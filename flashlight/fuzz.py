@@ -149,10 +149,6 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             with torch.no_grad():
                 term = torch.tanh(scores(q, k) * 0.1)
             s = s + term
-        if scan != "none":                  # minus sums over the keys before / after each key (a scan)
-            g = torch.sigmoid(s) * 0.1
-            s = s - (g.cumsum(-1) if scan == "prefix" else g.flip(-1).cumsum(-1).flip(-1) if scan == "suffix"
-                     else g @ torch.ones(N, N, dtype=g.dtype).tril(-1))
         qi = torch.arange(M)[:, None]
         ki = torch.arange(N)[None, :]
         bias_t = None
@@ -172,6 +168,11 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             "padding": ex["valid"][:, None, None, :] if "valid" in ex else None,
             "tensor": ex.get("keep"),
         }[mask]
+        if scan != "none":      # minus sums over the keys before / after each key (a scan), 0 where masked
+            g = torch.sigmoid(s) * 0.1
+            g = g if keep is None else g.masked_fill(~keep, 0.0)
+            s = s - (g.cumsum(-1) if scan == "prefix" else g.flip(-1).cumsum(-1).flip(-1) if scan == "suffix"
+                     else g @ torch.ones(N, N, dtype=g.dtype).tril(-1))
         if sdpa:        # the same map through F.scaled_dot_product_attention: bias and mask as attn_mask
             # a float mask is added to the scores: a finite fill (-1e9) would cancel them in fp32
             # (eager's own fp32 result is 1e-1 off float64 there), so it masks with -inf

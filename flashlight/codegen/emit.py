@@ -30,7 +30,7 @@ TRITON: dict[str, str] = {
     "and": "{0} & {1}", "or": "{0} | {1}", "xor": "{0} ^ {1}", "not": "{0} == 0",
     "neg": "-{0}", "abs": "tl.abs({0})", "sign": "tl.where({0} > 0, 1, 0) - tl.where({0} < 0, 1, 0)",
     "exp": "tl.exp({0})", "exp2": "tl.exp2({0})", "log": "tl.log({0})", "log2": "tl.log2({0})",
-    "log1p": "tl.log(1.0 + {0})", "expm1": "tl.exp({0}) - 1.0", "sqrt": "tl.sqrt({0})",
+    "log1p": "fl_log1p({0})", "expm1": "tl.exp({0}) - 1.0", "sqrt": "tl.sqrt({0})",
     "rsqrt": "tl.rsqrt({0})", "reciprocal": "1.0 / {0}",
     "tanh": "2.0 * tl.sigmoid(2.0 * {0}) - 1.0",   # tanh(x) = 2 sigmoid(2x) - 1
     "sigmoid": "tl.sigmoid({0})", "relu": "tl.maximum({0}, 0)", "erf": "tl.erf({0})",
@@ -57,6 +57,14 @@ def fl_mod(a, b):
     # Python remainder: takes the sign of the divisor
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def fl_log1p(x):
+    # log(1 + x), accurate where 1 + x rounds (softplus of a score of -20: log(1 + 2e-9)):
+    # log(u) * x / (u - 1) for u = 1 + x as rounded; x where u is 1, u where it is inf
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0))))
 '''
 
 # Dropout's draws (ir/philox.py has the definition and its torch twin); only kernels that call

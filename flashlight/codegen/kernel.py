@@ -101,7 +101,7 @@ def piece_ctx(base: Ctx, dim: str, off: int, width: int) -> Ctx:
 
 
 def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, it: str,
-                heads: tuple[int, list[str]] | None = None, reverse: bool = False) -> list[str]:
+                heads: tuple[int, list[str]] | None = None, order: str | None = None) -> list[str]:
     """Loops setting ``var`` to the start of every block in ``segs`` ((lo, hi, mask-free?) block
     ranges; ``body(full)`` returns one block's lines): a mask-free range gets its own loop, and
     so does a single masked range; two masked ranges — the head and the tail around the full run
@@ -110,14 +110,15 @@ def block_loops(var: str, block: str, segs: list[tuple[str, str, bool]], body, i
     compile in a masked kernel, the first call's main cost. ``heads`` = (L, lines): each loop
     runs its blocks L times, ``gi`` = 0..L-1 (the dK/dV kernel's group loop: its query heads),
     the lines first in every iteration — one loop, not a loop of loops: Triton kept the nest's
-    accumulators in more registers (offline sm_90, D=64: 158 -> 255 and spills). ``reverse``:
-    the blocks last to first (a suffix scan's pass), each range in its own loop, ranges in
-    reverse order."""
-    if reverse:
+    accumulators in more registers (offline sm_90, D=64: 158 -> 255 and spills). ``order``:
+    the blocks in key order ("forward": a prefix scan's pass) or last to first ("reverse": a
+    suffix scan's), each range in its own loop, the ranges in that order."""
+    if order is not None:
         lines = []
-        for lo, hi, full in reversed(segs):
+        for lo, hi, full in (reversed(segs) if order == "reverse" else segs):
+            first = f"(({hi}) - 1 - {it})" if order == "reverse" else f"(({lo}) + {it})"
             lines += [f"for {it} in range(0, ({hi}) - ({lo})):" + ("  # full blocks: no masks" if full else ""),
-                      f"    {var} = (({hi}) - 1 - {it}) * {block}", *("    " + x for x in body(full))]
+                      f"    {var} = {first} * {block}", *("    " + x for x in body(full))]
         return lines
     lines, masked = [], [seg for seg in segs if not seg[2]]
     if len(masked) > 2:
@@ -317,7 +318,7 @@ class KernelWriter:
                 out.lines.append(f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)  # -1: the extra element, or no key")
         self.seed(members)
         out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full),
-                                    reverse=scans == {"suffix"})
+                                    order={"prefix": "forward", "suffix": "reverse"}.get(next(iter(scans), None)))
         for j in members:
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
@@ -327,14 +328,15 @@ class KernelWriter:
             else:
                 em.red_names[j] = f"r{j}"
 
-    def key_loops(self, members: list[int], body, reverse: bool = False) -> list[str]:
+    def key_loops(self, members: list[int], body, order: str | None = None) -> list[str]:
         """The loops over key blocks of a pass (``segments``); ``body(loop, full)`` writes one
         block into ``loop``. Returns the lines; the bodies come first so that their hoisted
         invariants precede every guard. (The backward's dQ kernel reuses this with its own body.)
-        ``reverse``: last block first (``block_loops``)."""
+        ``order``: the blocks in key order, "forward" or "reverse" (a scan's pass: ``block_loops``);
+        None, any order."""
         loops = []
         segments = self.segments(members)
-        for guard, segs in (reversed(segments) if reverse else segments):
+        for guard, segs in (reversed(segments) if order == "reverse" else segments):
             indent = "    " if guard else ""
             segs = [(self.bounds(lo), self.bounds(hi), full) for lo, hi, full in segs]
 
@@ -344,7 +346,7 @@ class KernelWriter:
                 return loop.lines
             loops += ([guard] if guard else []) + [
                 indent + line for line in block_loops("start_n", "BLOCK_N", segs, lines_of, self.em.fresh("i"),
-                                                      reverse=reverse)]
+                                                      order=order)]
         return loops
 
     def seed(self, members: list[int]) -> None:
