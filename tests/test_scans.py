@@ -103,6 +103,23 @@ def test_remaining_stick_and_rows_without_keys():
     assert out[:, :, 0].abs().max() == 0 and rem[:, :, 0].eq(1).all()
 
 
+def test_a_later_pass_computes_the_partial_sums_again():
+    """Softpick (its max in one pass, its sums in the next) of scores less a suffix scan: both
+    passes read the partial sums, and the second computes them again (``recomputed_scans``)."""
+    def fn(q, k, v):
+        s, mask = _logits(q, k), _masks(q, k)
+        g = torch.sigmoid(s).masked_fill(mask, 0) * 0.1
+        x = (s - g.flip(-1).cumsum(-1).flip(-1)).masked_fill(mask, float("-inf"))
+        m = x.amax(-1, keepdim=True)
+        e = torch.exp(x - m) - torch.exp(-m)
+        return F.relu(e) / torch.where(x.isfinite(), e.abs(), 0).sum(-1, keepdim=True) @ v
+    _, report = check_fused(fn, *_inputs(M=N))
+    r = report.regions[0]
+    assert "2-pass" in r.features and "block-sparse" in r.features, r.features
+    second = r.kernel_source.split("# pass 1")[1]
+    assert "sc0 = c0 + tl.cumsum" in second and "sc0 = r0 + tl.cumsum" in r.kernel_source.split("# pass 1")[0]
+
+
 def test_a_fill_that_does_not_underflow_keeps_every_block():
     """-10 is no mask for exp: the blocks above the diagonal still contribute e^-10 each."""
     _, report = check_fused(flipped_cumsum(fill=-10.0), *_inputs())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import Expr, Region, call, free_vars, refs, walk
-from ..ir.region import argmax_columns, rowstat_columns, scan_passes
+from ..ir.region import argmax_columns, rowstat_columns
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import Block, CodegenError, Ctx, Emitter, jump_reads, max_terms, plain, prelude
 
@@ -250,6 +250,7 @@ class KernelWriter:
     split_dv = True
     # loop-variant tl.dot operands may load through tensor descriptors (``Emitter.descriptor_load``)
     bulk_loads = True
+    recomputed: list[int] = []      # the current pass's scans of earlier passes (``recomputed_scans``)
 
     def __init__(self, region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
                  sparse: bool = True):
@@ -304,9 +305,12 @@ class KernelWriter:
     def write_pass(self, members: list[int]) -> None:
         r, em, out = self.r, self.em, self.outer
         em.loop_reds = set(members)
-        scans = {r.reductions[j].scan for j in members} - {None}
+        self.recomputed = recomputed_scans(r, members)
+        scans = {r.reductions[j].scan for j in members + self.recomputed} - {None}
         if len(scans) > 1:
             raise CodegenError("prefix and suffix scans over the keys in one pass")
+        out.lines += [f"c{j} = tl.zeros([BLOCK_M, 1], tl.float32)  # red{j}'s partial sums again: this pass reads them"
+                      for j in self.recomputed]
         for j in members:
             kind = r.reductions[j].kind
             init = NEG_INF if kind == "max" else "0.0"
@@ -317,7 +321,7 @@ class KernelWriter:
             if j in self.argmax:
                 out.lines.append(f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)  # -1: the extra element, or no key")
         self.seed(members)
-        out.lines += self.key_loops(members, lambda loop, full: self.loop_body(members, loop, full),
+        out.lines += self.key_loops(members + self.recomputed, lambda loop, full: self.loop_body(members, loop, full),
                                     order={"prefix": "forward", "suffix": "reverse"}.get(next(iter(scans), None)))
         for j in members:
             if r.reductions[j].kind == "max":
@@ -402,12 +406,15 @@ class KernelWriter:
         # of its pass, which then share those scores (emit.max_terms)
         exact = jump_reads(r.exprs()) & set(members)
         sctx = plain(CTX_S) if exact else CTX_S
-        for j, red in reds:     # scans first: any body may read their partial sums
-            if red.scan:
-                x = full_tile(bound(em.emit(bodies[j], sctx, loop), "0.0"), bodies[j], sctx, r)
-                loop.lines += [f"x{j} = {x}", f"sc{j} = r{j} + tl.cumsum(x{j}, 1, reverse={red.scan == 'suffix'}) - x{j}"
-                               "  # the partial sums, this key excluded"]
-                em.scan_names[j] = f"sc{j}"
+        for j in sorted(self.recomputed + [j for j, red in reds if red.scan]):    # scans first: bodies read them
+            red, carry = r.reductions[j], f"r{j}" if j in members else f"c{j}"
+            body = full_body(red.body) if full else red.body
+            x = full_tile(bound(em.emit(body, sctx, loop), "0.0"), body, sctx, r)
+            loop.lines += [f"x{j} = {x}", f"sc{j} = {carry} + tl.cumsum(x{j}, 1, reverse={red.scan == 'suffix'}) - x{j}"
+                           "  # the partial sums, this key excluded"]
+            em.scan_names[j] = f"sc{j}"
+            if j not in members:
+                loop.lines.append(f"c{j} = c{j} + tl.sum(x{j}, 1, keep_dims=True)")
         for j, red in reds:      # running maxima first: the others rescale by them
             if red.kind != "max":
                 continue
@@ -569,9 +576,6 @@ class KernelWriter:
         ]
 
     def passes(self) -> None:
-        why = scan_passes(self.r)
-        if why:
-            raise CodegenError(why)
         for p, members in enumerate(self.r.passes()):
             self.outer.lines.append(f"# pass {p}: reductions {members} over N")
             self.write_pass(members)
@@ -589,6 +593,20 @@ class KernelWriter:
         self.epilogue()
         source = self.assemble()
         return prelude(source) + source
+
+
+def recomputed_scans(region: Region, members: list[int]) -> list[int]:
+    """The scans of earlier passes whose partial sums the bodies of ``members`` read (or those
+    scans' own bodies): a pass computes them again alongside its reductions (softpick's second
+    pass over scores less a scan its max's pass computed)."""
+    found: set[int] = set()
+    todo = [region.reductions[j].body for j in members]
+    while todo:
+        for d in refs(todo.pop(), "scan"):
+            if d not in members and d not in found:
+                found.add(d)
+                todo.append(region.reductions[d].body)
+    return sorted(found)
 
 
 def key_block(loop: Block, full: bool) -> None:

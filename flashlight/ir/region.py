@@ -114,23 +114,16 @@ class Region:
 
     def passes(self) -> list[list[int]]:
         """Group reductions into passes over N (see rewrite.assign_passes). A body that reads a
-        scan's partial sums runs in the scan's pass: the scan moves to its readers' pass when
-        that is later (``scan_passes`` checks that each reader could be in it)."""
-        lift: dict[int, int] = {}
-        for _ in range(len(self.reductions) + 1):
-            level: list[int] = []
-            for j, r in enumerate(self.reductions):
-                lv = lift.get(j, 0)
-                for d in r.reads():
-                    lv = max(lv, level[d] if r.online == d else level[d] + 1)
-                for d in refs(r.body, "scan"):
-                    lv = max(lv, level[d])
-                level.append(lv)
-            late = {d: level[j] for j, r in enumerate(self.reductions) for d in refs(r.body, "scan") if level[j] > level[d]}
-            if not late:
-                break
-            for d, lv in late.items():
-                lift[d] = max(lift.get(d, 0), lv)
+        scan's partial sums runs in the scan's pass or a later one, which computes them again
+        (``codegen.kernel.recomputed_scans``)."""
+        level: list[int] = []
+        for j, r in enumerate(self.reductions):
+            lv = 0
+            for d in r.reads():
+                lv = max(lv, level[d] if r.online == d else level[d] + 1)
+            for d in refs(r.body, "scan"):
+                lv = max(lv, level[d])
+            level.append(lv)
         return [[j for j, lv in enumerate(level) if lv == p] for p in range(max(level, default=-1) + 1)]
 
     def __str__(self) -> str:
@@ -160,17 +153,6 @@ class Region:
             lines.append(f"  store [{', '.join(fmt(i) for i in self.out_index)}] of {shape}")
         lines += [f"  row{i} = {fmt(x.expr)} {x.dtype}" for i, x in enumerate(self.rows)]
         return "\n".join(lines)
-
-
-def scan_passes(region: Region) -> str | None:
-    """Why a reader of a scan's partial sums cannot run in the scan's pass (it also reads a
-    reduction of that pass or a later one), or None."""
-    level = {j: p for p, members in enumerate(region.passes()) for j in members}
-    for j, r in enumerate(region.reductions):
-        for d in refs(r.body, "scan"):
-            if level[d] != level[j]:
-                return f"red{j} reads the partial sums of red{d} and a reduction of their pass"
-    return None
 
 
 def from_output(region: Region) -> dict[int, int]:
