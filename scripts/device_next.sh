@@ -1,3 +1,8 @@
+# Session 30's plan (session 29: docs/notes.md "Session 29"; no call got a machine): leave kind out.
+#   First S30 (~4 min: the scans' GPU tests, benchmarks.scans: stick-breaking against Inductor; nothing
+#   of the scans has run on a GPU yet, the kernel only compiled offline for sm_90). If an H200 comes
+#   after that: F (the flex suite, #6), then TR with LIMIT=250 (#5). On an H100: S28 (carry .s28), then
+#   OLD=1 S29 (carry .s29).
 # Session 29's plan (session 28: docs/notes.md "Session 28"; 3 of 14 calls ran, one H100: G 64 passed,
 #   S29 without its old side): leave kind out. If an H200 comes: F (the flex suite, #6), then TR with
 #   LIMIT=250 (#5). On an H100: S28 (carry .s28 = git archive e058c67: IPA D=128, joined D=128, fit_rows),
