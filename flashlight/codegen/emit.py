@@ -57,14 +57,6 @@ def fl_mod(a, b):
     # Python remainder: takes the sign of the divisor
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
-
-
-@triton.jit
-def fl_log1p(x):
-    # log(1 + x), accurate where 1 + x rounds (softplus of a score of -20: log(1 + 2e-9)):
-    # log(u) * x / (u - 1) for u = 1 + x as rounded; x where u is 1, u where it is inf
-    u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0))))
 '''
 
 # Dropout's draws (ir/philox.py has the definition and its torch twin); only kernels that call
@@ -100,9 +92,26 @@ def fl_rand16_block(seed, row, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
 '''
 
 
+LOG1P_HELPER = '''
+
+@triton.jit
+def fl_log1p(x):
+    # log(1 + x), accurate where 1 + x rounds (softplus of a score of -20: log(1 + 2e-9)):
+    # log(u) * x / (u - 1) for u = 1 + x as rounded; x where u is 1, u where it is inf
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0))))
+'''
+
+
+def helpers_for(source: str) -> str:
+    """The helpers a kernel's ``source`` calls, besides ``HELPERS``: only those, so a kernel's
+    source (and Triton's cache key) changes only with what it uses."""
+    return (RAND16_HELPERS if "fl_rand16" in source else "") + (LOG1P_HELPER if "fl_log1p(" in source else "")
+
+
 def prelude(source: str) -> str:
     """The header of a kernel module: imports and the helpers ``source`` calls."""
-    helpers = HELPERS + (RAND16_HELPERS if "fl_rand16" in source else "")
+    helpers = HELPERS + helpers_for(source)
     return f"import triton\nimport triton.language as tl\n{helpers}\n\n"
 
 

@@ -31,7 +31,7 @@ from ..ir import Region, const, free_vars, refs, substitute, walk
 from ..ir.region import rowstat_columns
 from ..sparsity import dead_predicate, full_body, useful
 from .emit import HELPERS as TRITON_HELPERS
-from .emit import TRITON, Block, CodegenError, Ctx, jump_reads, max_terms, plain
+from .emit import TRITON, Block, CodegenError, Ctx, helpers_for, jump_reads, max_terms, plain
 from .kernel import NEG_INF, KernelWriter, batch_index, operand_dtype, out_offsets, positive_scale
 
 BLOCK_M = 128        # query rows per program: two warpgroups of 64
@@ -451,7 +451,8 @@ def gluon_module(w: KernelWriter, signature: list[str], loader: str, compute: st
     doc = "\n".join("    # " + line for line in w.r.describe(sizes=False).splitlines())
     body = "\n".join("    " + x for x in w.outer.lines)
     kernel = f"@gluon.jit\ndef {w.name}(\n" + ",\n".join("    " + a for a in signature) + f",\n):\n{doc}\n{body}\n"
-    return GLUON_PRELUDE + HELPERS + "\n\n" + loader + "\n\n\n" + compute + wrappers + "\n\n" + kernel
+    own = "\n\n" + loader + "\n\n\n" + compute + wrappers + "\n\n" + kernel
+    return GLUON_PRELUDE + HELPERS + helpers_for(own).replace("@triton.jit", "@gluon.jit") + own
 
 
 GLUON_PRELUDE = '''import triton
