@@ -262,8 +262,9 @@ def signed_scans(region: Region, e: Expr) -> Expr:
 
 
 def _dead_value(e: Expr) -> bool:
-    """0, -inf, or a fill whose exponential is 0 (``UNDERFLOW``)."""
-    return e.op == "const" and e.kind == "f" and (e.args[0] == 0.0 or e.args[0] <= UNDERFLOW)
+    """0 or -inf. (Not a finite fill that underflows: a mask filled with finfo.min, whose dead
+    blocks are not proven, would then lose its mask-free blocks and run one masked loop.)"""
+    return e.op == "const" and e.kind == "f" and e.args[0] in (0.0, NEG_INF)
 
 
 def live_branch(e: Expr) -> tuple[Expr, Expr] | None:
