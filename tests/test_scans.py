@@ -120,6 +120,22 @@ def test_a_later_pass_computes_the_partial_sums_again():
     assert "sc0 = c0 + tl.cumsum" in second and "sc0 = r0 + tl.cumsum" in r.kernel_source.split("# pass 1")[0]
 
 
+def test_a_recomputed_scan_computes_the_score_tile_only_it_reads():
+    """The same with the scan's body on a second score product and read through ``tril(-1)``
+    (the key's own term excluded): the second pass's bodies read only the partial sums, so the
+    score tile is the recomputed scan's alone (its kernel once failed on it, KeyError)."""
+    def fn(q, k, v, q2, k2):
+        s, mask = _logits(q, k), _masks(q, k, attend_current=True)
+        g = torch.sigmoid(q2 @ k2.mT).masked_fill(mask, 0) * 0.1
+        x = (s - g @ torch.ones(N, N, dtype=g.dtype).tril(-1)).masked_fill(mask, float("-inf"))
+        m = x.amax(-1, keepdim=True)
+        e = torch.exp(x - m) - torch.exp(-m)
+        return F.relu(e) / torch.where(x.isfinite(), e.abs(), 0).sum(-1, keepdim=True) @ v
+    q, k, v = _inputs(M=N)
+    _, report = check_fused(fn, q, k, v, *_inputs(M=N)[:2])
+    assert {"2-pass", "2-scores", "key-scan"} <= set(report.regions[0].features), report
+
+
 def test_a_fill_that_does_not_underflow_keeps_every_block():
     """-10 is no mask for exp: the blocks above the diagonal still contribute e^-10 each."""
     _, report = check_fused(flipped_cumsum(fill=-10.0), *_inputs())

@@ -389,7 +389,8 @@ class KernelWriter:
         it, so bodies use the mask-free form (``sparsity.full_body``) and no bounds mask."""
         r, em = self.r, self.em
         reds = [(j, r.reductions[j]) for j in members]
-        bodies = {j: full_body(red.body) if full else red.body for j, red in reds}
+        # the recomputed scans' bodies too: their score tiles may be theirs alone
+        bodies = {j: full_body(r.reductions[j].body) if full else r.reductions[j].body for j in members + self.recomputed}
         key_block(loop, full)
         em.dot_names = {}
         chunks = dk_chunks(r.DK)
@@ -408,8 +409,7 @@ class KernelWriter:
         sctx = plain(CTX_S) if exact else CTX_S
         for j in sorted(self.recomputed + [j for j, red in reds if red.scan]):    # scans first: bodies read them
             red, carry = r.reductions[j], f"r{j}" if j in members else f"c{j}"
-            body = full_body(red.body) if full else red.body
-            x = full_tile(bound(em.emit(body, sctx, loop), "0.0"), body, sctx, r)
+            x = full_tile(bound(em.emit(bodies[j], sctx, loop), "0.0"), bodies[j], sctx, r)
             loop.lines += [f"x{j} = {x}", f"sc{j} = {carry} + tl.cumsum(x{j}, 1, reverse={red.scan == 'suffix'}) - x{j}"
                            "  # the partial sums, this key excluded"]
             em.scan_names[j] = f"sc{j}"

@@ -171,8 +171,6 @@ def generate_split(region: Region, name: str, allow_tf32: bool = False,
                    interpret: bool = False) -> tuple[str, list]:
     """Source of ``{name}_split`` and ``{name}_combine`` (same arguments) and the split kernel's
     block statistics."""
-    if not splittable(region):
-        raise CodegenError("not splittable across the keys (see splittable)")
     split = SplitWriter(region, f"{name}_split", allow_tf32, interpret)
     split.prologue()
     split.split_range()

@@ -122,7 +122,7 @@ class CompiledRegion:
 
     def infer(self, inputs: list[torch.Tensor]) -> torch.Tensor:
         """The output alone (``flashlight::region_infer``): the kernel stores no row statistics."""
-        return self.run_all(inputs, stats=False)[0][0]
+        return self.infer_all(inputs)[0]
 
     def infer_all(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The output and the row outputs (``flashlight::region_rows_infer``), no statistics."""
