@@ -117,8 +117,9 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     k = c.backward_kernels()
     if k is None:
         return found
-    tiles = k.needed_kernels(None)        # no dQ kernel where the dK/dV kernel adds dQ (FLASHLIGHT_ATOMIC_DQ)
-    k.rows, k.dkdv = Recorder(k.rows.fn), Recorder(k.dkdv.fn)
+    tiles = k.needed_kernels(None)        # one tile kernel where one adds the other's gradients
+    k.rows = Recorder(k.rows.fn)
+    k.dkdv = Recorder(k.dkdv.fn) if "dkdv" in tiles else None
     k.dq = Recorder(k.dq.fn) if "dq" in tiles else None
     bufs = k.buffers(inputs, tiles)
     drows = k.launch_rows(inputs, rowstats, out, torch.empty_like(out), bufs, cfg["rows"])

@@ -5,8 +5,8 @@ FlexAttention cannot express it (a score modification sees one score, not its ro
 
     python -m benchmarks.scans [--b 4] [--h 16] [--n 2048] [--d 64]
 
-The forward is one kernel that walks the key blocks last to first; the backward is the
-reference VJP (scores materialised) for now. Writes ``$OUT/scans.csv`` when ``OUT`` is set.
+The forward is one kernel that walks the key blocks last to first; the backward one generated
+kernel over query blocks that walks them twice, adding dK and dV with fp32 atomics. Writes ``$OUT/scans.csv`` when ``OUT`` is set.
 """
 from __future__ import annotations
 

@@ -1,3 +1,6 @@
+# Session 30's plan (as run in session 30: S31 replaces S30, the scans now train through a generated backward;
+#   carry .s30 = git archive 39e9916):
+#   run(command="bash scripts/device_next.sh S31", carry=[".s30"]), then F on an H200, S28 / OLD=1 S29 on an H100.
 # Session 30's plan (session 29: docs/notes.md "Session 29"; no call got a machine): leave kind out.
 #   First S30 (~4 min: the scans' GPU tests, benchmarks.scans: stick-breaking against Inductor; nothing
 #   of the scans has run on a GPU yet, the kernel only compiled offline for sm_90). If an H200 comes
@@ -116,6 +119,18 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+S31)  # session 30 (~7 min; carry .s30 = git archive 39e9916, the reference VJP's side): the scans' GPU tests (the
+    # generated backward: one dQ kernel walking the keys twice, dK and dV atomic; 2048-key rows against eager
+    # bf16's own error), then benchmarks.scans here and at 39e9916 (same forward, the step through the reference VJP)
+  timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "scans" > $OUT/test_gpu_s31.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed|Error" $OUT/test_gpu_s31.txt | cut -c1-250 | head -12
+  OUT=$OUT/scans timeout -k 5 120 python3 -m benchmarks.scans > $OUT/scans.txt 2>&1
+  echo "scans rc $?"; grep -v "^W\|Warning" $OUT/scans.txt | cut -c1-250 | tail -3
+  OUT=$OUT/scans_old timeout -k 5 120 python3 scripts/with_tree.py .s30 benchmarks.scans > $OUT/scans_old.txt 2>&1
+  echo "scans at 39e9916 rc $?"; grep -v "^W\|Warning" $OUT/scans_old.txt | cut -c1-250 | tail -3
+  OUT=$OUT/scans4k timeout -k 5 100 python3 -m benchmarks.scans --b 2 --n 4096 > $OUT/scans4k.txt 2>&1
+  echo "scans 4k rc $?"; grep -v "^W\|Warning" $OUT/scans4k.txt | cut -c1-250 | tail -3
+  ;;
 S30)  # session 29 (~4 min; then S28 in the same call if time is left): stick-breaking's scans over the keys
     # (Reduction.scan: tl.cumsum per key block, the blocks walked last to first) in bf16 against
     # float64, then benchmarks.scans (forward one kernel, the step through the reference VJP) against Inductor

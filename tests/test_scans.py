@@ -2,8 +2,10 @@
 its reference code and users write the sums over the keys after each key (a triangle product,
 a flipped cumulative sum) and before it (a cumulative sum, a ``triu`` product). Each fuses into
 one kernel that walks the key blocks in the scan's direction, matches float64 eager forward and
-backward (the reference VJP), and skips the blocks its underflowing mask kills."""
+backward, and skips the blocks its underflowing mask kills. The backward is one generated kernel
+over query blocks that walks the key blocks twice (``GradPlan.fused_kv``)."""
 import math
+import re
 
 import pytest
 import torch
@@ -77,12 +79,69 @@ def test_fuses_one_pass_and_matches_fp64(name):
     # the total before the prefix sums: two passes (one would be the suffix scan, not yet seen)
     assert "key-scan" in r.features and ("2-pass" in r.features) == (name == "softplus_total_minus_prefix"), r.features
     assert ("block-sparse" in r.features) == (name != "triu_product"), r.features
-    assert "reference VJP" in r.backward, r.backward
+    # the total read by the second pass: a body reading another reduction keeps the reference VJP
+    assert r.backward.startswith("generated") != (name == "softplus_total_minus_prefix"), r.backward
 
 
+# (M, N): two key blocks of the interpreter's 16, more keys than queries (the queries the last M
+# positions), and a first query that sees no key (M == N)
+SHAPES = [(21, 21), (13, 40), (33, 33)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_gradients_match_fp64_through_the_reference_vjp(name):
-    check_grads(PROGRAMS[name], _inputs(M=21, N=21), generated=False)
+def test_gradients_match_fp64(name, shape):
+    check_grads(PROGRAMS[name], _inputs(*shape), generated=name != "softplus_total_minus_prefix")
+
+
+def test_the_backward_is_one_kernel_walking_the_keys_twice():
+    """No dK/dV kernel: the dQ kernel's first key loop totals dL/d(partial sums) per row, its
+    second reverses the scan from that total and adds dK and dV per tile."""
+    r = flashlight.explain(PROGRAMS["flipped_cumsum"], *_inputs()).regions[0]
+    src = r.backward_source
+    assert r.backward.startswith("generated"), r.backward
+    kernels = re.findall(r"^def (fl_bwd\w*)\(", src, re.M)
+    assert sorted(k.split("_")[-1] for k in kernels) == ["dq", "rows"], kernels
+    assert "dx0 = tl.where(mask_mn, t0 - u0 - tl.cumsum(g0, 1, reverse=True), 0.0)" in src, src
+    assert "tl.atomic_add" in src, src
+
+
+def _gates(q, k, v, bias, temp, pair):
+    """Stick-breaking with learned inputs in both bodies: a per-key bias and a per-head
+    temperature inside the sums over the keys, a pair bias read by the weights; the weights
+    renormalised (a sum reading the partial sums besides the product)."""
+    s, mask = _logits(q, k) * temp[None, :, None, None], _masks(q, k, attend_current=True)
+    log_beta = F.logsigmoid(-s - bias[:, None, None, :]).masked_fill(mask, 0)
+    after = log_beta.flip(-1).cumsum(-1).flip(-1) - log_beta
+    w = torch.exp(F.logsigmoid(s + pair).masked_fill(mask, -1e5) + after)
+    return (w / (w.sum(-1, keepdim=True) + 1.0)) @ v
+
+
+def test_loads_in_both_bodies_take_their_gradients():
+    M, N = 19, 35
+    q, k, v = _inputs(M, N)
+    bias, temp, pair = torch.randn(B, N), torch.rand(H) + 0.5, torch.randn(M, N)
+    _, report = check_fused(_gates, q, k, v, bias, temp, pair)
+    assert "key-scan" in report.regions[0].features
+    check_grads(_gates, [q, k, v, bias, temp, pair])
+
+
+def test_gqa_keys_shared_by_heads_add_their_gradients():
+    """Two query heads per K/V head: the dQ kernel's per-tile dK and dV adds meet in the shared head."""
+    def fn(q, k, v):
+        return stick_breaking.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    q = torch.randn(B, 4, 25, D)
+    k, v = torch.randn(B, 2, 25, D), torch.randn(B, 2, 25, D)
+    check_grads(fn, [q, k, v])
+
+
+def test_remaining_stick_takes_its_gradient_too():
+    """The stick left over (a row output) and the output, both differentiated."""
+    def attention(q, k, v):
+        att = stick_breaking.stick_breaking(_logits(q, k))
+        o = att @ v
+        return o * (1 - att.sum(-1, keepdim=True))
+    check_grads(attention, _inputs(M=N))
 
 
 def test_suffix_scan_walks_the_key_blocks_last_to_first():

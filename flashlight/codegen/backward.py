@@ -21,6 +21,11 @@ from their accumulators once per program; where those gradients go — a plain s
 atomic add where programs share an address (GQA, broadcast, gather) — is ``gradients.grad_plan``.
 A max reduction is treated as a constant: ``backward_support`` only accepts regions where it is a
 softmax shift the output is invariant to (zero total derivative).
+
+Partial sums over the keys (scans, ``GradPlan.fused_kv``) leave out the dK/dV kernel: the dQ
+kernel walks the key blocks in the scan's order twice — totalling each row's adjoint of the
+partial sums, then reversing the scan from that total — and adds dK, dV and the per-tile loads'
+gradients with fp32 atomics.
 """
 from __future__ import annotations
 
@@ -54,9 +59,17 @@ def backward_support(region: Region) -> str | None:
     read inside a body would need a pass over N before the tile loop). A sink element (``extra``:
     one more row-level element) shifts with the max too; a sum's gets its row gradient in the
     row kernel, which scatters it into the loads it reads (the sink logits). Partial sums over
-    the keys (scans) keep the reference VJP: their adjoint is a scan in the other direction."""
-    if any(r.scan for r in region.reductions):
-        return "partial sums over the keys (a cumulative sum): no generated backward yet"
+    the keys (scans) take one kernel over query blocks (``GradPlan.fused_kv``); their bodies read
+    no other reduction or partial sums, and no expression reads a scan's total."""
+    scans = {j: r.scan for j, r in enumerate(region.reductions) if r.scan}
+    if len(set(scans.values())) > 1:
+        return "prefix and suffix scans over the keys in one region"
+    for j in scans:
+        if refs(region.reductions[j].body, "scan") or refs(region.reductions[j].body, "red"):
+            return f"red{j}'s partial sums read other reductions"
+    totals = set().union(*(refs(e, "red") for e in region.exprs()))
+    if totals & set(scans):
+        return f"an expression reads the total of scan red{min(totals & set(scans))}"
     for row in region.rows:
         if any(region.reductions[j].kind == "dot" for j in refs(row.expr, "red")):
             return "a row output reads a P @ V product"
@@ -82,7 +95,7 @@ def backward_support(region: Region) -> str | None:
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
     exprs = output_exprs(region) + [e for d in region.dots for e in (d.q, d.k)]
-    exprs += [e for j, r in enumerate(region.reductions) if r.kind != "max" or j in shifted
+    exprs += [e for j, r in enumerate(region.reductions) if r.kind != "max" or j in shifted or r.scan
               for e in (r.body, r.v) if e is not None]
     for e in exprs:
         op = not_differentiable(e)
@@ -324,6 +337,8 @@ class TileWriter(KernelWriter):
     over the whole head, so those accumulators keep one padded tile (``pieces``)."""
     split_dv = False    # the forward's epilogue pieces: not this kernel's
     axis = ""           # the loop's axis
+    kernel = ""         # "dkdv" or "dq"
+    kinds: tuple[str, ...] = ()     # the accumulators: "dq", "dk", "dv"
     transposed = False  # score tiles as [N, M] (the dK/dV kernel): row values are [1, BLOCK_M]
 
     @property
@@ -341,8 +356,8 @@ class TileWriter(KernelWriter):
         self.folded: dict[str, dict[Expr, float]] = {}  # "dq"/"dk" -> operand expression -> scale (folded_scales)
         self.piece_cache: dict[str, list | None] = {}
         # the body loads whose gradient this kernel sums across its loop (``GradPlan.carried``)
-        kernel = "dkdv" if "dk" in self.kinds else "dq"
-        self.carried = {x: f"gc{c}" for c, x in enumerate(x for x, k in plan.carried.items() if k == kernel)}
+        self.carried = {x: f"gc{c}" for c, x in enumerate(x for x, k in plan.carried.items() if k == self.kernel)}
+        self.tile_inits: list[str] = []     # zeroed per tile: the accumulators ``per_tile`` writes
 
     def carry(self, loop: Block, adjoints: dict[Expr, Expr], sums: dict | None = None) -> None:
         """This tile's part of each carried gradient, into its register (``sums``: the tile's
@@ -404,22 +419,37 @@ class TileWriter(KernelWriter):
                     block.lines.append(f"d{dv_state(j, ctx)} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
                                        f" + {self.dg.cols[j]} + {ctx.vars['dv']}, mask={ctx.mask('m', 'dv')}, other=0.0)")
 
+    @property
+    def ctxs(self) -> dict[str, Ctx]:
+        """The accumulators' tile contexts."""
+        return {"dq": CTX_Q, "dk": CTX_KN if self.transposed else CTX_K, "dv": CTX_V}
+
+    def per_tile(self, kind: str) -> bool:
+        """Is accumulator ``kind`` written per tile (the dQ kernel's dK and dV under
+        ``GradPlan.fused_kv``) rather than once after the loop?"""
+        return self.kernel == "dq" and kind != "dq"
+
     def accumulators(self) -> None:
         """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
-        P @ V products share one dV) and head-dim piece (``pieces``), zero before the loop."""
-        ctxs = {"dq": CTX_Q, "dk": CTX_KN if self.transposed else CTX_K, "dv": CTX_V}
+        P @ V products share one dV) and head-dim piece (``pieces``), zero before the loop (or
+        before each tile: ``per_tile``)."""
         for kind in self.kinds:
-            pieces = self.piece_ctxs(kind, ctxs[kind])
+            ctx = self.ctxs[kind]
+            pieces = self.piece_ctxs(kind, ctx)
             for e in self.plan.accs[kind]:
                 acc = f"{kind}{len(self.accs.setdefault(kind, {}))}"
-                self.accs[kind][e] = [acc + piece_suffix(ctx, ctxs[kind]) for ctx in pieces]
-                self.outer.lines += [f"{name} = tl.zeros({TILE[ctx.name][2]}, dtype=tl.float32)"
-                                     for name, ctx in zip(self.accs[kind][e], pieces)]
+                self.accs[kind][e] = [acc + piece_suffix(pc, ctx) for pc in pieces]
+                inits = [f"{name} = tl.zeros({TILE[pc.name][2]}, dtype=tl.float32)"
+                         for name, pc in zip(self.accs[kind][e], pieces)]
+                (self.tile_inits if self.per_tile(kind) else self.outer.lines).extend(inits)
 
-    def tile_adjoints(self, loop: Block, full: bool) -> tuple[dict[Expr, Expr], dict[int, tuple]]:
+    def tile_adjoints(self, loop: Block, full: bool, totals: bool = False) -> tuple[dict[Expr, Expr], dict[int, tuple]]:
         """Recompute the score tiles and bodies of one tile and reverse them: the adjoints of the
         leaves (score tiles, loads) and each score tile's tl.dot operands. ``full``: a block the
-        sparsity scan proved inside every mask (mask-free bodies, as the forward's)."""
+        sparsity scan proved inside every mask (mask-free bodies, as the forward's). With scans
+        (``GradPlan.scans``) their partial sums are computed first (``scan_tiles``) and their
+        bodies reversed from the adjoint of the partial sums (``scan_adjoints``); ``totals``:
+        the first of the two key loops, which only sums those adjoints per row (no dV)."""
         r, em, ctx = self.r, self.em, self.ctx_s
         if full:        # every mask keeps the tile and rows past M are never stored: no masks
             loop.lines.append(f"mask_mn = tl.full({TILE[ctx.name][2]}, 1, tl.int1)")
@@ -430,11 +460,12 @@ class TileWriter(KernelWriter):
         em.dot_names, operands = {}, {}
         # S^T = K Q^T from K [N, DK] and Q^T [DK, M], both as loaded, in the transposed kernel
         qctx, kctx = (CTX_QT, CTX_KN) if self.transposed else (CTX_Q, CTX_K)
-        kind = "dk" if "dk" in self.kinds else "dq"
+        kind = self.kinds[0]
         for i in self.plan.dots:     # one dot per DK piece (of the accumulator's pieces), chained
             operands[i] = [self.score_dot(i, q, k, loop, transposed=self.transposed, acc=f"qk{i}" if c else None)
                            for c, (q, k) in enumerate(zip(self.piece_ctxs(kind, qctx), self.piece_ctxs(kind, kctx)))]
             em.dot_names[i] = f"qk{i}"
+        self.scan_tiles(loop, full)
         loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
         drs: dict[int, list[str]] = {}      # a group's first product -> its dR tile per DV piece
         for j in self.plan.members:
@@ -464,7 +495,7 @@ class TileWriter(KernelWriter):
                     drs[lead].append(dr)
             scale = f" * dc{j}" if j in self.dg.shared else ""
             loop.lines.append(f"db{j} = tl.where(mask_mn, dp{lead}{scale}, 0.0)")
-            if "dv" not in self.kinds:
+            if "dv" not in self.kinds or totals:
                 continue
             vdt = operand_dtype(rd.v, r, self.interpret)
             p = f"tl.where(mask_mn, {full_tile(em.emit(body, ctx, loop), body, ctx, r)}, 0.0)"
@@ -478,7 +509,61 @@ class TileWriter(KernelWriter):
             pt = f"p{lead}" if self.transposed else f"tl.trans(p{lead})"
             for acc, dr in zip(self.accs["dv"][rd.v], drs[lead]):
                 loop.lines.append(f"{acc} = {self.tl_dot(pt, dr, vdt, acc=acc)}")
-        return vjp(self.seeds(full)), operands
+        adjoints = vjp(self.seeds(full))
+        if self.plan.scans:
+            self.scan_adjoints(loop, adjoints, full, totals)
+        return adjoints, operands
+
+    def scan_init(self, totals: bool) -> list[str]:
+        """Before a key loop: each scan's carried partial sums, and its adjoints' (``totals``:
+        the first loop, their row totals t{j}; the second: their sums over the keys walked)."""
+        lines = []
+        for j in self.plan.scans:
+            lines.append(f"c{j} = tl.zeros([BLOCK_M, 1], tl.float32)  # red{j}'s sums over the key blocks walked")
+            lines.append(f"t{j} = tl.zeros([BLOCK_M, 1], tl.float32)  # dL/d(partial sums), summed over the keys"
+                         if totals else f"u{j} = tl.zeros([BLOCK_M, 1], tl.float32)  # t{j}'s part walked so far")
+        return lines
+
+    def scan_tiles(self, loop: Block, full: bool) -> None:
+        """Each scan's partial sums on this tile, as the forward's kernel computes them (this
+        key excluded), carried across the key blocks the loop walks in the scan's order."""
+        for j in self.plan.scans:
+            rd = self.r.reductions[j]
+            body = full_body(rd.body) if full else rd.body
+            x = self.em.emit(body, self.ctx_s, loop)
+            x = full_tile(x, body, self.ctx_s, self.r) if full else f"tl.where(mask_mn, {x}, 0.0)"
+            loop.lines += [f"x{j} = {x}",
+                           f"sc{j} = c{j} + tl.cumsum(x{j}, 1, reverse={rd.scan == 'suffix'}) - x{j}",
+                           f"c{j} = c{j} + tl.sum(x{j}, 1, keep_dims=True)"]
+            self.em.scan_names[j] = f"sc{j}"
+
+    def scan_adjoints(self, loop: Block, adjoints: dict[Expr, Expr], full: bool, totals: bool) -> None:
+        """Reverse each scan: its partial sum at key j (suffix: over the keys k > j) has the
+        adjoint g_j, so its body at key k has the adjoint of the partial sums that include k,
+        sum_{j < k} g_j (prefix: j > k) — a partial sum the other way, here the row's total t
+        (the first loop's) less the sum over the keys walked so far, k's own included. Its
+        body's vjp is added to ``adjoints``; the scan leaves leave them. ``totals``: only
+        t += the tile's g."""
+        for j in self.plan.scans:
+            gs = [g for x, g in adjoints.items() if x.op == "scan" and x.args[0] == j]
+            if not gs:
+                continue
+            g = gs[0]
+            for h in gs[1:]:
+                g = g + h
+            loop.lines.append(f"g{j} = tl.where(mask_mn, tl.broadcast_to({self.em.emit(g, self.ctx_s, loop)}, "
+                              f"{TILE[self.ctx_s.name][2]}), 0.0)  # dL/d(partial sums)")
+            if totals:
+                loop.lines.append(f"t{j} = t{j} + tl.sum(g{j}, 1, keep_dims=True)")
+                continue
+            reverse = self.r.reductions[j].scan == "suffix"
+            loop.lines += [f"dx{j} = tl.where(mask_mn, t{j} - u{j} - tl.cumsum(g{j}, 1, reverse={reverse}), 0.0)",
+                           f"u{j} = u{j} + tl.sum(g{j}, 1, keep_dims=True)"]
+            body = full_body(self.r.reductions[j].body) if full else self.r.reductions[j].body
+            for x, dx in vjp({body: tile(f"dx{j}")}).items():
+                adjoints[x] = adjoints[x] + dx if x in adjoints else dx
+        for x in [x for x in adjoints if x.op == "scan"]:
+            del adjoints[x]
 
     def seeds(self, full: bool) -> dict[Expr, Expr]:
         """The adjoint of every member body (mask-free in ``full`` blocks): the ``db{j}`` tiles."""
@@ -493,6 +578,9 @@ class TileWriter(KernelWriter):
         scale): the loop accumulates X and the accumulator is scaled once after it (FA2's
         ``dk *= sm_scale``) instead of scaling every score tile."""
         if kind in self.folded:
+            return self.folded[kind]
+        if self.plan.fused_kv:      # dS feeds dQ and dK alike: scaled per tile
+            self.folded[kind] = {}
             return self.folded[kind]
         operand = (lambda i: self.r.dots[i].k) if kind == "dk" else (lambda i: self.r.dots[i].q)
         found: dict[Expr, set] = {}
@@ -509,36 +597,40 @@ class TileWriter(KernelWriter):
 
     def score_grads(self, loop: Block, adjoints: dict[Expr, Expr], operands: dict[int, tuple]) -> None:
         """dS_i of every score tile a gradient reaches, into this kernel's accumulators
-        (dK_i += dS_i^T Q_i, or dQ_i += dS_i K_i)."""
-        kind = "dk" if "dk" in self.kinds else "dq"
-        folded = self.folded_scales(kind)
+        (dK_i += dS_i^T Q_i, and / or dQ_i += dS_i K_i)."""
+        kinds = [kind for kind in ("dk", "dq") if kind in self.kinds]
+        folded = self.folded_scales(kinds[0])       # one kind, or none folded (``fused_kv``)
         for i in self.plan.dots:
             if dot(i) not in adjoints:
                 continue        # no gradient reaches this score tile (e.g. floor(s))
             ds = adjoints[dot(i)]
-            if (self.r.dots[i].k if kind == "dk" else self.r.dots[i].q) in folded:
+            if (self.r.dots[i].k if kinds[0] == "dk" else self.r.dots[i].q) in folded:
                 ds = const_factor(ds)[0]    # its constant factor is applied after the loop
             # out-of-range keys can score exp(+large) when the shift is a finite fill (-1e9): 0 * inf
             # there would reach dQ through K's zero padding (fuzz seed 21, #195)
             loop.lines.append(f"ds{i} = tl.where(mask_mn, tl.broadcast_to({self.em.emit(ds, self.ctx_s, loop)}, "
                               f"{TILE[self.ctx_s.name][2]}), 0.0)")
-            accs = self.accs[kind][self.r.dots[i].k if kind == "dk" else self.r.dots[i].q]
-            for acc, (q, qdt, k, kdt) in zip(accs, operands[i]):     # per DK piece
-                if kind == "dk" and self.transposed:     # dK [N, DK] += dS^T [N, M] @ Q [M, DK]
-                    loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', qdt), f'tl.trans({q})', qdt, acc=acc)}")
-                elif kind == "dk":
-                    loop.lines.append(f"{acc} = {self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt, acc=acc)}")
-                else:
-                    loop.lines.append(f"{acc} = {self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt, acc=acc)}")
+            for kind in kinds:
+                accs = self.accs[kind][self.r.dots[i].k if kind == "dk" else self.r.dots[i].q]
+                for acc, (q, qdt, k, kdt) in zip(accs, operands[i]):     # per DK piece
+                    if kind == "dk" and self.transposed:     # dK [N, DK] += dS^T [N, M] @ Q [M, DK]
+                        dk = self.tl_dot(self.cast(f'ds{i}', qdt), f'tl.trans({q})', qdt, acc=acc)
+                    elif kind == "dk":                       # dK^T [DK, N] += Q^T [DK, M] @ dS [M, N]
+                        dk = self.tl_dot(f'tl.trans({q})', self.cast(f'ds{i}', qdt), qdt, acc=acc)
+                    else:
+                        dk = self.tl_dot(self.cast(f'ds{i}', kdt), f'tl.trans({k})', kdt, acc=acc)
+                    loop.lines.append(f"{acc} = {dk}")
 
-    def write_grads(self, kind: str, ctx: Ctx) -> None:
-        """The gradients of the operands behind accumulator ``kind``, once per program."""
+    def write_grads(self, kind: str, ctx: Ctx, block: Block | None = None) -> None:
+        """The gradients of the operands behind accumulator ``kind``, once per program (into
+        ``block``: once per tile)."""
+        block = block or self.outer
         folded = self.folded_scales(kind) if kind != "dv" else {}
         for e, names in self.accs.get(kind, {}).items():
             for name, pctx in zip(names, self.piece_ctxs(kind, ctx)):
                 if e in folded:
-                    self.outer.lines.append(f"{name} = {name} * {folded[e]!r}")
-                scatter(self.em, vjp({e: tile(name)}), pctx, self.outer, self.plan.stored,
+                    block.lines.append(f"{name} = {name} * {folded[e]!r}")
+                scatter(self.em, vjp({e: tile(name)}), pctx, block, self.plan.stored,
                         sum_mask=in_bounds(pctx))
 
     def common_args(self, kernel: str) -> list[str]:
@@ -554,7 +646,7 @@ class DKDVWriter(TileWriter):
     """FA2's first backward kernel: one program per (key block, batch index) loops over the live
     query blocks; dK and dV stay in registers, the loads of the bodies (biases, tables) get their
     gradients scattered per tile."""
-    axis, kinds, transposed = "m", ("dk", "dv"), True
+    axis, kernel, kinds, transposed = "m", "dkdv", ("dk", "dv"), True
 
     def query_block(self, full: bool) -> list[str]:
         """One query block of the dK/dV loop; ``full``: inside every mask and both bounds (no
@@ -707,7 +799,11 @@ class DQWriter(TileWriter):
     and one loop over the masked head and tail) and accumulates dQ = sum_n dS K in registers,
     written once at the end — no atomics across key blocks — and likewise the gradients of the
     body loads read per query (``GradPlan.carried``); the dK/dV kernel owns the others."""
-    axis, kinds = "n", ("dq",)
+    axis, kernel = "n", "dq"
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return ("dq", "dk", "dv") if self.plan.fused_kv else ("dq",)
 
     def signature(self) -> list[str]:
         return self.common_args("dq") + ["EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr", "SCAN_BLOCKS: tl.constexpr",
@@ -716,17 +812,43 @@ class DQWriter(TileWriter):
 
     def key_block_grads(self, loop: Block, full: bool) -> None:
         key_block(loop, full)
+        loop.lines += self.tile_inits
         adjoints, operands = self.tile_adjoints(loop, full)
-        loop.lines.append(f"# reverse through the bodies: {'per-query loads, ' if self.carried else ''}dS -> dQ")
-        self.carry(loop, adjoints)
+        if self.plan.fused_kv:      # every load's gradient but the per-query ones, per tile
+            loop.lines.append("# reverse through the bodies: loads, dS -> dQ and dK, and dV, per tile")
+            per_tile, sums = {x: g for x, g in adjoints.items() if x not in self.carried}, {}
+            scatter(self.em, per_tile, self.ctx_s, loop, self.plan.stored, "mask_mn", sums=sums)
+            self.carry(loop, adjoints, sums)
+        else:
+            loop.lines.append(f"# reverse through the bodies: {'per-query loads, ' if self.carried else ''}dS -> dQ")
+            self.carry(loop, adjoints)
         self.score_grads(loop, adjoints, operands)
+        for kind in ("dk", "dv"):
+            if kind in self.kinds:
+                self.write_grads(kind, self.ctxs[kind], loop)
+
+    def scan_totals(self, loop: Block, full: bool) -> None:
+        """The first key loop (``GradPlan.scans``): per row, the total adjoint of each scan's
+        partial sums, which the second loop's reverse of the scan starts from."""
+        key_block(loop, full)
+        self.tile_adjoints(loop, full, totals=True)
 
     def write(self) -> str:
         self.prologue()
         self.row_values(self.outer)
+        if self.plan.fused_kv and self.pieces("dk") != self.pieces("dq"):
+            raise CodegenError("partial sums over the keys with a head dim split unlike Q's")
         self.accumulators()
         self.outer.lines += carry_init(self.carried, self.ctx_s)
-        self.outer.lines += self.key_loops(every_pass(self.r), self.key_block_grads)
+        passes = every_pass(self.r)
+        if self.plan.scans:
+            order = {"prefix": "forward", "suffix": "reverse"}[self.r.reductions[self.plan.scans[0]].scan]
+            self.outer.lines += ["# the adjoints of the partial sums over the keys, totalled per row", *self.scan_init(True)]
+            self.outer.lines += self.key_loops(passes, self.scan_totals, order=order)
+            self.outer.lines += ["# the gradients, the key blocks walked again", *self.scan_init(False)]
+            self.outer.lines += self.key_loops(passes, self.key_block_grads, order=order)
+        else:
+            self.outer.lines += self.key_loops(passes, self.key_block_grads)
         self.outer.lines.append("# gradients of the Q operands, accumulated over all key blocks")
         flush(self.em, self.carried, self.ctx_s, self.outer, self.plan.stored)
         self.write_grads("dq", CTX_Q)
@@ -748,18 +870,20 @@ class KernelStats(NamedTuple):
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
                       sparse: bool = True, fused_dq: bool = False, group: str = "auto") -> tuple[str, KernelStats]:
     """Triton source of the backward kernels — ``name_rows`` (row gradients, launched first),
-    ``name`` (dK, dV and the body loads' gradients) and ``name_dq`` (none with ``fused_dq``: the
-    dK/dV kernel adds dQ, ``GradPlan.fused_dq``) — and the per-block statistics of the tile
-    kernels; raises CodegenError (the reason) when the region needs the reference backward."""
+    ``name`` (dK, dV and the body loads' gradients; none with scans: the dQ kernel adds them,
+    ``GradPlan.fused_kv``) and ``name_dq`` (none with ``fused_dq``: the dK/dV kernel adds dQ,
+    ``GradPlan.fused_dq``) — and the per-block statistics of the tile kernels; raises
+    CodegenError (the reason) when the region needs the reference backward."""
     reason = backward_support(region)
     if reason:
         raise CodegenError(reason)
     plan = grad_plan(region, fused_dq, group)
-    kv = DKDVWriter(region, plan, name, allow_tf32, interpret, sparse)
-    source = kv.write()
-    dq = None if fused_dq else DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
+    kv = None if plan.fused_kv else DKDVWriter(region, plan, name, allow_tf32, interpret, sparse)
+    source = kv.write() if kv else ""
+    dq = None if plan.fused_dq else DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
     if dq is not None:
         source += f"\n\n{dq.write()}"
-    source += row_gradient_kernel(region, plan, f"{name}_rows", kv.dg)
-    return prelude(source) + source, KernelStats(kv.stats, dq.stats if dq else [], kv.dg, kv.em.tma,
-                                                 dq.em.tma if dq else {}, plan)
+    dg = (kv or dq).dg
+    source += row_gradient_kernel(region, plan, f"{name}_rows", dg)
+    return prelude(source) + source, KernelStats(kv.stats if kv else [], dq.stats if dq else [], dg,
+                                                 kv.em.tma if kv else {}, dq.em.tma if dq else {}, plan)

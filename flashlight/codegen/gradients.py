@@ -87,6 +87,8 @@ class GradPlan:
         fused_dq: the dK/dV kernel also adds each tile's dS K into dQ with fp32 atomics (cuDNN's
             and FA3's backward), so S, P and dP are computed once per tile, not again by a dQ
             kernel; the Q operands' gradients are then per-tile sites of the dK/dV kernel.
+        scans: the scans whose partial sums the member bodies read with a gradient; their bodies
+            are reversed too, from the adjoint of the partial sums (``fused_kv``).
     """
     members: list[int]
     dots: list[int]
@@ -96,6 +98,16 @@ class GradPlan:
     zeroed: frozenset[int] = frozenset()
     fused_dq: bool = False      # dQ added by the dK/dV kernel per tile (fp32 atomics): no dQ kernel
     group: Group | None = None
+    scans: list[int] = field(default_factory=list)  # scans whose partial sums take a gradient
+
+    @property
+    def fused_kv(self) -> bool:
+        """Partial sums over the keys (``scans``): one kernel over query blocks walks the key
+        blocks in the scans' order, carrying the forward's partial sums and their adjoints' row
+        by row, and adds dK, dV and the body loads' gradients per tile with fp32 atomics (a
+        program over key blocks would need every row's partial sums at its block's edge). No
+        dK/dV kernel."""
+        return bool(self.scans)
 
     @property
     def carried(self) -> dict[Expr, str]:
@@ -201,23 +213,30 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
                if (rd.kind != "max" and red(j) in row_adj) or j in shifted]
     bodies = {region.reductions[j].body: tile("db") for j in members}
     body_adj = vjp(bodies) if bodies else {}
-    dots = sorted({i for j in members for i in refs(region.reductions[j].body, "dot")})
+    scans = sorted({x.args[0] for x in body_adj if x.op == "scan"})
+    if scans:       # the scans' bodies, seeded with the adjoint of their partial sums
+        body_adj = {**vjp({region.reductions[j].body: tile("dx") for j in scans}), **body_adj}
+    dots = sorted({i for j in members + scans for i in refs(region.reductions[j].body, "dot")})
     grad_dots = [i for i in dots if dot(i) in body_adj]
     accs = {"dq": _distinct(region.dots[i].q for i in grad_dots),
             "dk": _distinct(region.dots[i].k for i in grad_dots),
             "dv": _distinct(region.reductions[j].v for j in members if region.reductions[j].kind == "dot")}
-    plan = GradPlan(members, dots, accs, fused_dq=fused_dq, group=group_loop(region, accs, group))
+    plan = GradPlan(members, dots, accs, fused_dq=fused_dq and not scans, scans=scans,
+                    group=None if scans else group_loop(region, accs, group))
+    fused_dq = plan.fused_dq
     plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
     plan.sites += [Site(x.args[0], x, "row", "rows", True) for x in loads(vjp(extra_seeds(region, members)))]
     # the bodies' loads: ``full_body`` (a block inside every mask) drops masks, never adds a load
+    tiles = "dq" if plan.fused_kv else "dkdv"      # the kernel that writes per tile
     for x in loads(body_adj):
-        kernel = summing_kernel(region, x, fused_dq, plan.group)
+        kernel = summing_kernel(region, x, fused_dq, plan.group, plan.fused_kv)
         if kernel is None:
-            plan.sites.append(Site(x.args[0], x, "s", "dkdv", False, body=True))
+            plan.sites.append(Site(x.args[0], x, "s", tiles, False, body=True))
         else:
             plan.sites.append(Site(x.args[0], x, "kn" if kernel == "dkdv" else "q", kernel, True, body=True))
     dq_site = ("dkdv", False) if fused_dq else ("dq", True)
-    for kind, ctx, (kernel, once) in (("dk", "k", ("dkdv", True)), ("dv", "v", ("dkdv", True)), ("dq", "q", dq_site)):
+    kv_site = ("dq", False) if plan.fused_kv else ("dkdv", True)
+    for kind, ctx, (kernel, once) in (("dk", "k", kv_site), ("dv", "v", kv_site), ("dq", "q", dq_site)):
         for e in accs[kind]:
             plan.sites += [Site(x.args[0], x, ctx, kernel, once) for x in loads(vjp({e: tile("g")}))]
     by_input: dict[int, list[Site]] = {}
@@ -232,19 +251,23 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
     return plan
 
 
-def summing_kernel(region: Region, x: Expr, fused_dq: bool, group: Group | None) -> str | None:
+def summing_kernel(region: Region, x: Expr, fused_dq: bool, group: Group | None,
+                   fused_kv: bool = False) -> str | None:
     """The kernel that sums body load ``x``'s adjoint across its loop and writes it once, where
     its index misses one of the tile's axes: per key (IPA's key points, a key padding bias), the
     dK/dV kernel, whose program owns the key block; per query, the dQ kernel (none with
     ``fused_dq``); per head (IPA's γ, a temperature), the dK/dV kernel — unless a group loop
     changes the head inside the loop. None: read per score, written per tile (a pair bias, a
     gathered table). Per tile, each such site was a tile sum and an atomic add per row or
-    column (IPA: 24 a tile, into addresses every key block's program shares)."""
+    column (IPA: 24 a tile, into addresses every key block's program shares). With ``fused_kv``
+    only the dQ kernel runs: it sums the per-query ones and writes the others per tile."""
     used = _used(x)
     if {"m", "n"} <= used:
         return None
     if "m" in used:
         return None if fused_dq else "dq"
+    if fused_kv:
+        return None
     if group is not None and any(per_head(ie, region.batch_vars[group.dim], group.size) for ie in x.args[1]):
         return None
     return "dkdv"

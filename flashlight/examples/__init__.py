@@ -15,8 +15,6 @@ FLEX_NAMES = ["vanilla", "causal", "sliding_window", "prefix_lm", "document_mask
 BEYOND_NAMES = ["diff_attention", "diff_transformer", "gated", "hand_softmax", "relu_attention",
                 "sigmoid_attention", "evoformer", "relative_position", "sinks", "sinks_sliding_window", "ipa",
                 "post_softmax", "merged_heads", "rope", "softpick", "stick_breaking"]
-# ... of which these train through the reference VJP (materialised scores), not generated kernels
-REFERENCE_BACKWARD = {"stick_breaking"}
 # ... and decoding (few queries against a long KV cache: split-KV kernels).
 DECODE_NAMES = ["decode_gqa", "paged_decode"]
 NAMES = FLEX_NAMES + BEYOND_NAMES + DECODE_NAMES

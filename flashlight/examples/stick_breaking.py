@@ -4,7 +4,9 @@ of what the keys between them left, A_ij = beta_ij prod_{j<k<i} (1 - beta_ik). N
 in log space a sum over the keys after j, written as its reference code writes it, a product
 with a triangle of ones (``tril(-1)``). The kernel computes that sum as it walks the key blocks
 from the last to the first (``Reduction.scan``); the masked log-weights (-1e5) underflow, so
-the blocks above the diagonal are skipped. The backward is the reference VJP for now."""
+the blocks above the diagonal are skipped. The backward is one generated kernel over query
+blocks that walks the key blocks the same way twice: first totalling each row's adjoint of the
+partial sums, then reversing the scan from that total (``GradPlan.fused_kv``)."""
 import math
 
 import torch

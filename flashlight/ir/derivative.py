@@ -2,7 +2,7 @@
 vector-Jacobian product of an expression DAG built from them.
 
 ``vjp({e: g})`` returns, for every differentiable leaf ``e`` reads (score tiles ``dot``, float
-``load`` s, reductions ``red``), an *expression* for its adjoint. Adjoints are ordinary IR
+``load`` s, reductions ``red``, partial sums ``scan``), an *expression* for its adjoint. Adjoints are ordinary IR
 expressions over the primal nodes and the seeds, so codegen emits them with the same CSE as the
 forward values (``exp(x)``'s derivative reuses the ``exp`` already computed). Seeds are usually
 ``tile`` leaves: values the kernel writer computed itself (dP = dO @ V^T, a row gradient).
@@ -69,7 +69,9 @@ DERIVATIVE: dict[str, Callable[[Expr, Expr], tuple]] = {
     # y broadcast along dv is used once per element, so its adjoint sums g over dv (RMSNorm's rsqrt)
     "sum_dv": lambda y, g: (call("sum_dv", g),),
 }
-LEAVES = ("dot", "load", "red")
+# a scan leaf (the partial sums of scan j at the tile's keys) is a leaf too: its adjoint becomes
+# the seed of the scan's body through a partial sum the other way (``codegen.backward``)
+LEAVES = ("dot", "load", "red", "scan")
 
 
 @functools.lru_cache(maxsize=65536)

@@ -79,8 +79,9 @@ class BackwardKernels:
     @functools.cached_property
     def tiles(self) -> tuple[str, ...]:
         """The tile kernels there are: no dQ kernel where the dK/dV kernel adds dQ
-        (``GradPlan.fused_dq``)."""
-        return ("dkdv",) if self.plan.fused_dq else self.TILES
+        (``GradPlan.fused_dq``), no dK/dV kernel where the dQ kernel adds dK and dV
+        (``GradPlan.fused_kv``: partial sums over the keys)."""
+        return ("dkdv",) if self.plan.fused_dq else ("dq",) if self.plan.fused_kv else self.TILES
 
     def needed_kernels(self, needed) -> tuple[str, ...]:
         """The tile kernels that write a gradient in ``needed`` (a flag per input; None: all)."""
@@ -275,6 +276,8 @@ class BackwardKernels:
     def gluon_tiles_unsupported(self) -> str:
         if self.plan.fused_dq:
             return "the dK/dV kernel adds dQ (FLASHLIGHT_ATOMIC_DQ): the Gluon one does not"
+        if self.plan.fused_kv:
+            return "partial sums over the keys: the dQ kernel adds dK and dV, the Gluon one does not"
         return tiles_support(self.region, self.plan)
 
     @functools.cached_property

@@ -319,7 +319,8 @@ class CompiledRegion:
         r = self.region
         block_d = max(head_block(r.DK), head_block(r.DV))
         return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-            fit_rows(backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows, self.body_loads), r.M)
+            fit_rows(backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows, self.body_loads,
+                                        any(rd.scan for rd in r.reductions)), r.M)
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
@@ -672,10 +673,11 @@ def compile_backward(c: CompiledRegion) -> None:
     c.bwd_source = source.replace(f"def {placeholder}", f"def {c.bwd_name}")     # and its _dq, _rows
     module, _ = load_module(c.bwd_name, c.bwd_source)
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
-    c.bwd_kernel = BackwardKernels(c.region, stats, kernel("_rows"), kernel(""),
-                                   None if stats.plan.fused_dq else kernel("_dq"),
-                                   scans={"dkdv": reads_scan(c.bwd_source, c.bwd_name), "dq": not stats.plan.fused_dq
-                                          and reads_scan(c.bwd_source, f"{c.bwd_name}_dq")})
+    plan = stats.plan
+    c.bwd_kernel = BackwardKernels(c.region, stats, kernel("_rows"), None if plan.fused_kv else kernel(""),
+                                   None if plan.fused_dq else kernel("_dq"),
+                                   scans={"dkdv": not plan.fused_kv and reads_scan(c.bwd_source, c.bwd_name),
+                                          "dq": not plan.fused_dq and reads_scan(c.bwd_source, f"{c.bwd_name}_dq")})
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())

@@ -130,7 +130,7 @@ HEAVY_BODY = 8     # more floating loads than this in the score program: the bac
 
 
 def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: int = 1,
-                       loaded_rows: bool = False, body_loads: int = 0) -> Config:
+                       loaded_rows: bool = False, body_loads: int = 0, scans: bool = False) -> Config:
     """A backward kernel's default, from sweeps on the H200 (docs/notes.md, sessions 4, 7, 8;
     B=4 H=16 N=4096, ``benchmarks.backward_configs``) and an H100 (session 23).
     dK/dV at D <= 64 with one score tile: 64 x 64 w4 s3 (causal 0.671 ms against 0.771 at
@@ -152,7 +152,13 @@ def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: 
     per-key or per-query gradient sum and a row vector per load live in both tile kernels: dK/dV
     16 x 64 w4 s4 and dQ 64 x 32 w4 s2, what autotuning chose for IPA (H100, B=4 H=16 N=1024
     D=64, session 27: the training step 2.44 ms against 5.22 at 64 x 64 and 128 x 64; offline
-    sm_90, dK/dV at 64 x 64 spills 4.4 KB per thread). Measured at D=64 only."""
+    sm_90, dK/dV at 64 x 64 spills 4.4 KB per thread). Measured at D=64 only.
+    Partial sums over the keys (``scans``: the dQ kernel also adds dK and dV per tile): 32 x 64
+    w4 s2 at D <= 64, 32 x 32 at D = 128 — not measured on a GPU yet; the smallest tiles that
+    offline sm_90 compiles of stick-breaking keep out of local memory (8 bytes and none spilled,
+    against 2.5 KB at 64 x 64 and 0.9 KB for 32 x 64 at D = 128)."""
+    if scans and kernel == "dq" and block_d <= 128:
+        return Config(32, 64, 4, 2) if block_d <= 64 else Config(32, 32, 4, 2)
     if body_loads > HEAVY_BODY and block_d <= 128:
         return Config(16, 64, 4, 4) if kernel == "dkdv" else Config(64, 32, 4, 2)
     if kernel == "dkdv" and block_d <= 128:
