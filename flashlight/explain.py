@@ -145,10 +145,10 @@ def hopper_backward(r: Region, fused_dq: bool = False) -> str:
     from .codegen.gluon import gluon_pays
     from .codegen.gluon_backward import tiles_support
     from .runtime.gluon import mode
+    if any(rd.scan for rd in r.reductions):     # before fused_dq: the scans' plan drops it
+        return "a Triton dQ kernel that adds dK and dV with fp32 atomics (partial sums over the keys)"
     if fused_dq:
         return "a Triton dK/dV kernel that adds dQ with fp32 atomics (FLASHLIGHT_ATOMIC_DQ)"
-    if any(rd.scan for rd in r.reductions):
-        return "a Triton dQ kernel that adds dK and dV with fp32 atomics (partial sums over the keys)"
     modes = {mode(k) for k in ("dkdv", "dq")}
     why = tiles_support(r) or ("off: FLASHLIGHT_GLUON_DKDV / _DQ" if "0" in modes else "") or \
         (gluon_pays(r) if "1" in modes else "")

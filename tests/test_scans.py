@@ -339,3 +339,17 @@ def test_softplus_of_very_negative_scores_keeps_its_digits():
         w = F.softplus(_logits(q, k) - 20.0)
         return (w / w.sum(-1, keepdim=True)) @ v
     check_fused(fn, *(torch.randn(1, 1, 16, 8) for _ in range(3)), tol=1e-5)
+
+
+def test_rows_past_m_stay_out_of_the_per_tile_key_gradients():
+    """A per-query divisor loads as 0 in the rows that pad the last query block (0 / 0 there):
+    the dQ kernel's mask-free key blocks are whole key blocks only, and it adds dK, dV and the
+    per-key loads' gradients per tile, summed over rows (NaN in every mask-free key block's dK
+    and dV before; found by review)."""
+    def fn(q, k, v, tq, bias):
+        s, mask = _logits(q, k) / tq[..., None], _masks(q, k)
+        log_beta = F.logsigmoid(-s - bias[:, None, None, :]).masked_fill(mask, 0)
+        after = log_beta.flip(-1).cumsum(-1).flip(-1) - log_beta
+        return torch.exp(F.logsigmoid(s).masked_fill(mask, -1e5) + after) @ v
+    q, k, v = _inputs(21, 37)
+    check_grads(fn, [q, k, v, torch.rand(B, H, 21) + 0.5, torch.randn(B, 37)])

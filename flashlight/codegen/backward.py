@@ -427,7 +427,7 @@ class TileWriter(KernelWriter):
     def per_tile(self, kind: str) -> bool:
         """Is accumulator ``kind`` written per tile (the dQ kernel's dK and dV under
         ``GradPlan.fused_kv``) rather than once after the loop?"""
-        return self.kernel == "dq" and kind != "dq"
+        return self.kernel == "dq" and kind != "dq" and self.plan.fused_kv
 
     def accumulators(self) -> None:
         """One fp32 register tile per distinct operand expression in the plan (DiffAttn's two
@@ -451,7 +451,10 @@ class TileWriter(KernelWriter):
         bodies reversed from the adjoint of the partial sums (``scan_adjoints``); ``totals``:
         the first of the two key loops, which only sums those adjoints per row (no dV)."""
         r, em, ctx = self.r, self.em, self.ctx_s
-        if full:        # every mask keeps the tile and rows past M are never stored: no masks
+        if full and self.per_tile("dk"):    # a whole key block, not always a whole query block: the
+            # per-tile dK, dV and loads' adds sum over the rows, where a padded one can be 0 * inf
+            loop.lines.append(f"mask_mn = tl.broadcast_to(mask_m[:, None], {TILE[ctx.name][2]})")
+        elif full:      # every mask keeps the tile and rows past M are never stored: no masks
             loop.lines.append(f"mask_mn = tl.full({TILE[ctx.name][2]}, 1, tl.int1)")
         else:
             loop.lines.append("mask_mn = mask_n[:, None] & mask_m[None, :]  # of the [N, M] tile" if self.transposed
