@@ -76,11 +76,10 @@ def _inputs(M=M, N=N):
 def test_fuses_one_pass_and_matches_fp64(name):
     _, report = check_fused(PROGRAMS[name], *_inputs())
     r = report.regions[0]
-    # the total before the prefix sums: two passes (one would be the suffix scan, not yet seen)
-    assert "key-scan" in r.features and ("2-pass" in r.features) == (name == "softplus_total_minus_prefix"), r.features
+    # the total less the prefix sums is the suffix scan (``rewrite.total_less_partial``)
+    assert "key-scan" in r.features and "2-pass" not in r.features, r.features
     assert ("block-sparse" in r.features) == (name != "triu_product"), r.features
-    # the total read by the second pass: a body reading another reduction keeps the reference VJP
-    assert r.backward.startswith("generated") != (name == "softplus_total_minus_prefix"), r.backward
+    assert r.backward.startswith("generated"), r.backward
 
 
 # (M, N): two key blocks of the interpreter's 16, more keys than queries (the queries the last M
@@ -91,7 +90,7 @@ SHAPES = [(21, 21), (13, 40), (33, 33)]
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("name", list(PROGRAMS))
 def test_gradients_match_fp64(name, shape):
-    check_grads(PROGRAMS[name], _inputs(*shape), generated=name != "softplus_total_minus_prefix")
+    check_grads(PROGRAMS[name], _inputs(*shape))
 
 
 def test_the_backward_is_one_kernel_walking_the_keys_twice():
@@ -353,3 +352,47 @@ def test_rows_past_m_stay_out_of_the_per_tile_key_gradients():
         return torch.exp(F.logsigmoid(s).masked_fill(mask, -1e5) + after) @ v
     q, k, v = _inputs(21, 37)
     check_grads(fn, [q, k, v, torch.rand(B, H, 21) + 0.5, torch.randn(B, 37)])
+
+
+def _total_less(x, own: bool, flip: bool):
+    """Σ_k x_k less the partial sums before each key (``own``: and the key's own term), the
+    partial sums as a cumulative sum (``flip``: of the flipped row, the keys after each key)."""
+    c = x.flip(-1).cumsum(-1).flip(-1) if flip else x.cumsum(-1)
+    return x.sum(-1, keepdim=True) - (c if own else c - x)
+
+
+@pytest.mark.parametrize("flip", [False, True], ids=["prefix", "suffix"])
+@pytest.mark.parametrize("own", [True, False], ids=["inclusive", "exclusive"])
+def test_a_total_less_partial_sums_is_the_other_scan(own, flip):
+    """One pass, the total dropped, the scan turned round; gradients generated."""
+    def fn(q, k, v):
+        s, mask = _logits(q, k), _masks(q, k)
+        x = F.softplus(s).masked_fill(mask, 0)
+        return torch.exp(F.logsigmoid(s).masked_fill(mask, float("-inf")) - _total_less(x, own, flip)) @ v
+    _, report = check_fused(fn, *_inputs())
+    r = report.regions[0]
+    assert "2-pass" not in r.features and r.kernel_source.count("#   red") == 2, r.kernel_source[:3000]
+    want = "scan=prefix" if flip else "scan=suffix"
+    assert want in r.kernel_source, r.kernel_source[:3000]
+    check_grads(fn, _inputs(21, 21))
+
+
+def test_a_total_read_elsewhere_stays():
+    """The total also read as itself (a normaliser): the scan turns, the total stays."""
+    def fn(q, k, v):
+        s = _logits(q, k)
+        x = torch.sigmoid(s) * 0.1
+        total = x.sum(-1, keepdim=True)
+        return torch.softmax(s - (total - x.cumsum(-1)) + total, -1) @ v
+    _, report = check_fused(fn, *_inputs())
+    assert "scan=suffix" in report.regions[0].kernel_source
+    check_grads(fn, _inputs(21, 21), generated=False)
+
+
+def test_partial_sums_read_otherwise_keep_their_direction():
+    def fn(q, k, v):
+        s = _logits(q, k)
+        x = torch.sigmoid(s) * 0.1
+        return torch.softmax(s - (x.sum(-1, keepdim=True) - x.cumsum(-1)) - x.cumsum(-1) ** 2, -1) @ v
+    _, report = check_fused(fn, *_inputs())
+    assert "scan=prefix" in report.regions[0].kernel_source and "2-pass" in report.regions[0].features

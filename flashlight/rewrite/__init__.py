@@ -18,6 +18,8 @@ Tables:
   recomputes the scores (see ``Region.passes``).
 * ``clamp-shifts`` / ``seed-sums``: row terms of a clamped shift and of a normaliser become the
   reductions' ``extra`` elements (softmax_1 as a sink of logit 0).
+* ``total-less-partial``: a sum of x less a prefix scan of x is a suffix scan of x (and the other
+  way round): ``x.sum(-1, keepdim=True) - x.cumsum(-1)`` runs in one pass.
 
 Rules return None to decline.
 """
@@ -540,6 +542,69 @@ def factor_dot_scales(region: Region) -> Region | None:
     return None
 
 
+def _drop_red(region: Region, j: int) -> Region:
+    """``region`` without reduction j, which nothing reads; later reductions renumbered."""
+    def down(e: Expr) -> Expr:
+        return substitute(e, lambda x: Expr(x.op, (x.args[0] - 1, *x.args[1:]), x.kind)
+                          if x.op in ("red", "scan") and x.args[0] > j else None)
+    reds = [replace(r, body=down(r.body), extra=None if r.extra is None else down(r.extra),
+                    online=r.online - 1 if r.online is not None and r.online > j else r.online)
+            for i, r in enumerate(region.reductions) if i != j]
+    return replace(region, reductions=reds, out=down(region.out), rows=[replace(x, expr=down(x.expr))
+                                                                         for x in region.rows])
+
+
+def total_less_partial(region: Region) -> Region | None:
+    """Σ_k x_k − Σ_{k≤n} x_k = Σ_{k>n} x_k: a sum of x less a prefix scan of the same x (with the
+    key's own term: ``x.sum(-1, keepdim=True) - x.cumsum(-1)``, or without it) is a suffix scan,
+    and the other way round. Where a scan's partial sums are read only so, the scan turns
+    direction and the total, if nothing else reads it, goes: one pass instead of two (the total
+    before the partial sums), and the partial sums come out as sums, not as a difference of
+    two large ones."""
+    exprs = region.exprs()
+    for p, rp in enumerate(region.reductions):
+        if not rp.scan:
+            continue
+        for t, rt in enumerate(region.reductions):
+            if rt.kind != "sum" or rt.scan or rt.extra is not None or t == p:
+                continue
+            # the total of the scan's body: red t itself, or c red t (``factor-rows`` took c out of it)
+            c = [a for a in rp.body.args if a != rt.body] if rp.body.op == "mul" and rt.body in rp.body.args else []
+            totals = {red(t)} if rt.body == rp.body else {call("mul", red(t), c[0]), call("mul", c[0], red(t))} \
+                if len(c) == 1 and c[0].op == "const" else set()
+            if not totals:
+                continue
+            marks: dict[Expr, Expr] = {}
+
+            def flip(x: Expr) -> Expr | None:
+                if x.op != "sub" or x.args[0] not in totals:
+                    return None
+                y = x.args[1]
+                if y.op == "sub" and y.args[1] == rp.body and y.args[0].op == "add" and rp.body in y.args[0].args:
+                    y = [a for a in y.args[0].args if a != rp.body][0] if y.args[0].args[0] != y.args[0].args[1] \
+                        else y          # (P + x) - x: the partial sums written with the key's term taken back out
+                if y.op == "scan" and y.args[0] == p:       # the key's own term in neither: add it
+                    marks.setdefault(y, var(f"_flipped{len(marks)}"))
+                    return call("add", marks[y], rp.body)
+                for a, b in (y.args, y.args[::-1]) if y.op == "add" else ():
+                    if a.op == "scan" and a.args[0] == p and b == rp.body:
+                        marks.setdefault(a, var(f"_flipped{len(marks)}"))
+                        return marks[a]
+                return None
+            new = _map(region, flip)
+            if not marks or any(p in refs(e, "scan") for e in new.exprs()):
+                continue        # a partial sum read otherwise too
+            back = {v: leaf for leaf, v in marks.items()}
+            new = _map(new, lambda x: back.get(x))
+            reds = list(new.reductions)
+            reds[p] = replace(rp, scan="prefix" if rp.scan == "suffix" else "suffix")
+            new = replace(new, reductions=reds)
+            if not any(t in refs(e, "red") for e in new.exprs()):
+                new = _drop_red(new, t)
+            return new
+    return None
+
+
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("dot-scales", factor_dot_scales),
     ("split-concat", split_concat),
@@ -551,7 +616,9 @@ RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("online", make_online),
     ("base-2", base2),
     ("float-positions", float_positions),
+    ("total-less-partial", total_less_partial),
 ]
+SCAN_RULES = {"total-less-partial"}     # the rules that may change a scan (``rewrite``)
 
 
 def _scans(region: Region) -> list[tuple[int, Reduction]]:
@@ -561,13 +628,14 @@ def _scans(region: Region) -> list[tuple[int, Reduction]]:
 def rewrite(region: Region, debug: Callable[[str, Region], None] | None = None) -> Region:
     """Apply the rules to a fixed point, verifying after each step. A step that would change a
     scan or its position is declined: the bodies read its partial sums as they are (the rules
-    that pull factors out of sums or split them skip scans themselves)."""
+    that pull factors out of sums or split them skip scans themselves) — but for the rules of
+    ``SCAN_RULES``, which change scans and their reads together."""
     changed = True
     while changed:
         changed = False
         for name, rule in RULES:
             new = rule(region)
-            if new is not None and _scans(new) == _scans(region):
+            if new is not None and (name in SCAN_RULES or _scans(new) == _scans(region)):
                 region = verify(new)
                 changed = True
                 if debug:
