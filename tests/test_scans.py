@@ -396,3 +396,18 @@ def test_partial_sums_read_otherwise_keep_their_direction():
         return torch.softmax(s - (x.sum(-1, keepdim=True) - x.cumsum(-1)) - x.cumsum(-1) ** 2, -1) @ v
     _, report = check_fused(fn, *_inputs())
     assert "scan=prefix" in report.regions[0].kernel_source and "2-pass" in report.regions[0].features
+
+
+def test_partial_sums_read_through_a_comparison_only():
+    """A budget mask: each query keeps the keys until the gates summed so far reach 1.5 (nearest
+    first: the sums over the keys after each key). No gradient reaches the partial sums (a
+    comparison), but the kernels compute them to mask the scores: generated, one dQ kernel."""
+    def fn(q, k, v):
+        s, mask = _logits(q, k), _masks(q, k, attend_current=True)
+        g = torch.sigmoid(s).masked_fill(mask, 0)
+        after = g.flip(-1).cumsum(-1).flip(-1) - g
+        return torch.softmax(s.masked_fill(mask | (after > 1.5), float("-inf")), -1) @ v
+    _, report = check_fused(fn, *_inputs(M=N))
+    r = report.regions[0]
+    assert r.backward.startswith("generated") and "dx0" not in r.backward_source, r.backward
+    check_grads(fn, _inputs(33, 33))

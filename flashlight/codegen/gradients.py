@@ -87,8 +87,8 @@ class GradPlan:
         fused_dq: the dK/dV kernel also adds each tile's dS K into dQ with fp32 atomics (cuDNN's
             and FA3's backward), so S, P and dP are computed once per tile, not again by a dQ
             kernel; the Q operands' gradients are then per-tile sites of the dK/dV kernel.
-        scans: the scans whose partial sums the member bodies read with a gradient; their bodies
-            are reversed too, from the adjoint of the partial sums (``fused_kv``).
+        scans: the scans whose partial sums the member bodies read (``fused_kv``); where a
+            gradient reaches the partial sums, their bodies are reversed too.
     """
     members: list[int]
     dots: list[int]
@@ -213,9 +213,11 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
                if (rd.kind != "max" and red(j) in row_adj) or j in shifted]
     bodies = {region.reductions[j].body: tile("db") for j in members}
     body_adj = vjp(bodies) if bodies else {}
-    scans = sorted({x.args[0] for x in body_adj if x.op == "scan"})
-    if scans:       # the scans' bodies, seeded with the adjoint of their partial sums
-        body_adj = {**vjp({region.reductions[j].body: tile("dx") for j in scans}), **body_adj}
+    # the scans the bodies read (their partial sums recomputed), reversed where a gradient reaches them
+    scans = sorted({d for j in members for d in refs(region.reductions[j].body, "scan")})
+    reached = sorted({x.args[0] for x in body_adj if x.op == "scan"})
+    if reached:     # the scans' bodies, seeded with the adjoint of their partial sums
+        body_adj = {**vjp({region.reductions[j].body: tile("dx") for j in reached}), **body_adj}
     dots = sorted({i for j in members + scans for i in refs(region.reductions[j].body, "dot")})
     grad_dots = [i for i in dots if dot(i) in body_adj]
     accs = {"dq": _distinct(region.dots[i].q for i in grad_dots),
