@@ -135,9 +135,9 @@ def test_scans_bf16(case):
 @pytest.mark.parametrize("sharp", [1.0, 4.0])
 def test_scans_long_rows_bf16(sharp):
     """2048 keys: the backward reverses the scan as the row's total adjoint less the part walked
-    so far, both summed by the same kernel in the same order. Its gradients are no further from
-    float64 than eager bf16's, with scores of unit spread and four times that (log-weights of
-    -4 a key: row sums of -8000)."""
+    so far, both summed by the same kernel in the same order. Its gradients are within bf16's
+    reach of float64 (eager bf16, which sums the log-weights in bf16, is given for scale only),
+    with scores of unit spread and four times that (log-weights of -4 a key: row sums of -8000)."""
     from flashlight.examples import stick_breaking
     torch.manual_seed(0)
     xs = [torch.randn(1, 4, 2048, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -151,7 +151,7 @@ def test_scans_long_rows_bf16(sharp):
     x64 = [to64(x).detach().requires_grad_() for x in xs]
     ref = torch.autograd.grad(fn(*x64), x64, to64(dout))
     for i, (g, e, r) in enumerate(zip(got, eager, ref)):
-        assert rel_error(g, r) < max(2 * rel_error(e, r), 1e-2), (i, rel_error(g, r), rel_error(e, r))
+        assert rel_error(g, r) < 2e-2, (i, rel_error(g, r), rel_error(e, r))
 
 
 @pytest.mark.parametrize("case", ["lse_causal", "entropy", "row_max"])
