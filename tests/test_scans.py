@@ -411,3 +411,55 @@ def test_partial_sums_read_through_a_comparison_only():
     r = report.regions[0]
     assert r.backward.startswith("generated") and "dx0" not in r.backward_source, r.backward
     check_grads(fn, _inputs(33, 33))
+
+
+@pytest.mark.parametrize("program", ["reference_triangle_product", "flipped_cumsum", "gqa", "prefix_decay"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_decoding_splits_the_keys(program, M, monkeypatch):
+    """Few queries against many keys: each split computes its partial sums from 0, and the
+    combine scales a split's state by exp(C_s), C_s the totals of the splits after it (before
+    it: prefix), here over three splits of 100 keys in 16-key blocks."""
+    from flashlight.runtime import decode
+    from flashlight.runtime.op import REGISTRY
+    monkeypatch.setattr(decode, "FORCE_SPLITS", 3)
+
+    def gqa(q, k, v):
+        return stick_breaking.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+
+    def prefix_decay(q, k, v):
+        """Each key weighed down by the gates of the keys before it (exp(-sum), a prefix scan of
+        a non-negative body: d = -1)."""
+        s = _logits(q, k)
+        g = torch.sigmoid(s) * 0.3
+        return (torch.exp(-(g.cumsum(-1) - g)) * torch.sigmoid(s)) @ v
+    fn = {"gqa": gqa, "prefix_decay": prefix_decay}.get(program) or PROGRAMS[program]
+    q, k, v = _inputs(M=M, N=100)
+    if program == "gqa":
+        q, k, v = torch.randn(B, 4, M, D), k, v
+    report = flashlight.explain(fn, q, k, v)
+    c = REGISTRY[report.regions[0].key]
+    got = torch.compile(fn, backend="flashlight")(q, k, v)
+    assert c.split and c.split.launches, "the split-KV path did not run"
+    want = fn(q.double(), k.double(), v.double())
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
+def test_decoding_a_softmax_of_partial_sums_keeps_one_kernel(monkeypatch):
+    """A max over scores less a scan would move with the other splits' keys: no split."""
+    from flashlight.runtime import decode
+    from flashlight.runtime.op import REGISTRY
+    monkeypatch.setattr(decode, "FORCE_SPLITS", 3)
+    q, k, v = _inputs(M=2, N=100)
+    report, _ = flashlight.explain(PROGRAMS["triu_product"], q, k, v), None
+    c = REGISTRY[report.regions[0].key]
+    got = torch.compile(PROGRAMS["triu_product"], backend="flashlight")(q, k, v)
+    assert c.split is False or not c.split.launches
+    want = PROGRAMS["triu_product"](q.double(), k.double(), v.double())
+    assert (got - want).norm() / want.norm() < 1e-5
+
+
+def test_a_split_forward_is_followed_by_the_generated_backward(monkeypatch):
+    """The combine stores the row statistics as the one-kernel forward does."""
+    from flashlight.runtime import decode
+    monkeypatch.setattr(decode, "FORCE_SPLITS", 3)
+    check_grads(stick_breaking.attention, _inputs(M=3, N=100))

@@ -13,13 +13,23 @@ as the one-kernel forward does::
 
 which is the flash-attention recurrence applied once more, across splits instead of key blocks.
 Only regions whose reductions all run in one pass can be split (``splittable``).
+
+Partial sums over the keys (scans): each split computes them from 0 over its own keys; the keys
+of the other splits (after it, for a suffix scan) add the row constant C_s = sum of their
+totals. Where every sum reading the partial sums scales as exp(d S) (``ir.scaling.scan_degree``:
+stick-breaking's exp(log z + S) @ v, d = 1), the combine multiplies split s's state by
+exp(d C_s), C_s carried across the splits in the scan's order; d C_s <= 0 (the scan's body has a
+known sign: log(1 - beta) <= 0), so the factor cannot overflow::
+
+    r   = sum_s r_s * exp(d C_s)                       (sums reading a scan)
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir import Region, Row, const, free_vars, substitute, var, verify, walk
-from ..ir.scaling import shift_gradients
+from ..ir import Region, Row, const, free_vars, refs, substitute, var, verify, walk
+from ..ir.scaling import scan_degree, shift_gradients
+from ..sparsity import nonneg, nonpos
 from .emit import prelude
 from .kernel import NEG_INF, KernelWriter
 
@@ -29,10 +39,30 @@ SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
 def splittable(region: Region) -> bool:
     """One pass over N, and the output in the tile's own layout (a permuted store's index is not
     rewritten by ``pack_heads`` and the runtime views the output as (*batch, M, DV)); no max that
-    takes a gradient (its argmax is not merged across splits), no partial sums over the keys (a
-    scan's carry would cross the splits)."""
+    takes a gradient (its argmax is not merged across splits); partial sums over the keys only
+    where each split's sums reading them are merged by a factor (``scan_factors``)."""
     return len(region.passes()) == 1 and region.out_index is None and not shift_gradients(region) \
-        and not any(r.scan for r in region.reductions)
+        and scan_factors(region) is not None
+
+
+def scan_factors(region: Region) -> dict[int, tuple[int, float]] | None:
+    """For each reduction reading a scan's partial sums, (the scan, d): the split's state times
+    exp(d C_s) is its part of the whole (module doc). None where some reader is a max or has an
+    extra element (a sink, added in one split), reads two scans or no degree, or where d C_s
+    could be positive (the scan's body has no known sign)."""
+    found = {}
+    for j, rd in enumerate(region.reductions):
+        scans = refs(rd.body, "scan")
+        if not scans:
+            continue
+        if rd.kind == "max" or rd.extra is not None or len(scans) > 1:
+            return None
+        p = next(iter(scans))
+        d, x = scan_degree(rd.body, p), region.reductions[p].body
+        if d is None or not ((d >= 0 and nonpos(x)) or (d <= 0 and nonneg(x))):
+            return None
+        found[j] = (p, d)
+    return found
 
 
 def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
@@ -151,7 +181,15 @@ class CombineWriter(SplitWriter):
         for j in others:
             width = "BLOCK_DV" if r.reductions[j].kind == "dot" else "1"
             lines.append(f"r{j} = tl.zeros([BLOCK_M, {width}], tl.float32)")
-        lines.append("for s in range(0, SPLITS):")
+        factors = scan_factors(r)
+        scans = sorted({p for p, _ in factors.values()})
+        if scans:       # the splits in the scan's order: C_s sums the totals of the splits passed
+            suffix = r.reductions[scans[0]].scan == "suffix"
+            lines += [f"cs{p} = tl.zeros([BLOCK_M, 1], tl.float32)  # red{p}'s total over the splits passed"
+                      for p in scans]
+            lines += ["for i in range(0, SPLITS):", f"    s = {'SPLITS - 1 - i' if suffix else 'i'}"]
+        else:
+            lines.append("for s in range(0, SPLITS):")
         online = sorted({r.reductions[j].online for j in others} - {None})
         lines += [f"    alpha{j} = {'tl.exp2' if r.reductions[j].base2 else 'tl.exp'}(tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
                   f"other={NEG_INF}) - r{j}_safe)  # split max -> final max" for j in online]
@@ -161,7 +199,11 @@ class CombineWriter(SplitWriter):
             if red.kind == "dot":
                 ptr, mask = ptr + " + offs_dv[None, :]", mask + " & mask_dv[None, :]"
             scale = f" * alpha{red.online}" if red.online is not None else ""
+            if j in factors:
+                p, d = factors[j]
+                scale += f" * tl.exp({d!r} * cs{p})"
             lines.append(f"    r{j} += tl.load({ptr}, mask={mask}, other=0.0){scale}")
+        lines += [f"    cs{p} += tl.load(ws_ptr + {row} + {cols[p]}, mask=mask_m[:, None], other=0.0)" for p in scans]
 
     def epilogue(self) -> None:
         KernelWriter.epilogue(self)

@@ -234,3 +234,54 @@ def shift_gradients(region: "Region") -> list[int]:
         if any(degree(e, group, shift=j, base2=r.base2) != 0 for e in output_exprs(region)):
             found.append(j)
     return found
+
+
+def _scan_move(e: Expr, j: int) -> float | None:
+    """a with e(S + t) = e(S) + a t, S scan j's partial sums (0: e does not read them), or None."""
+    if j not in refs(e, "scan"):
+        return 0.0
+    if e.op == "scan":
+        return 1.0
+    moves = [_scan_move(a, j) if isinstance(a, Expr) else None for a in e.args]
+    if e.op in ("add", "sub") and None not in moves:
+        return moves[0] + moves[1] if e.op == "add" else moves[0] - moves[1]
+    if e.op in ("neg", "to_f") and moves[0] is not None:
+        return -moves[0] if e.op == "neg" else moves[0]
+    if e.op in ("mul", "div"):
+        k = [_const(a) for a in e.args]
+        for i in (0, 1) if e.op == "mul" else (0,):
+            if moves[i] is not None and k[1 - i] is not None:
+                return moves[i] * k[1 - i] if e.op == "mul" else moves[i] / k[1 - i]
+    if e.op == "where" and moves[0] == 0 and moves[1] is not None and moves[1] == moves[2]:
+        return moves[1]
+    return None
+
+
+def scan_degree(e: Expr, j: int) -> float | None:
+    """d with e(S + t) = exp(d t) e(S) for every t, S scan j's partial sums (0: e does not read
+    them), or None. A split of the keys computes its partial sums from 0; the keys of the other
+    splits add a row constant C to them, so a sum of such an e is exp(d C) times the split's
+    (stick-breaking's exp(log z + S) @ v: d = 1; ``codegen.split``)."""
+    if j not in refs(e, "scan"):
+        return 0.0
+    args = [a for a in e.args if isinstance(a, Expr)]
+    if e.op in ("exp", "exp2"):
+        m = _scan_move(args[0], j)
+        return None if m is None else m * (LN2 if e.op == "exp2" else 1.0)
+    if e.op == "where":
+        if j in refs(args[0], "scan"):
+            return None
+        live = [scan_degree(a, j) for a in args[1:] if not is_zero(a)]     # a zero branch: any degree
+        return live[0] if live and None not in live and len(set(live)) == 1 else None
+    ds = [scan_degree(a, j) for a in args]
+    if None in ds:
+        return None
+    if e.op == "mul":
+        return ds[0] + ds[1]
+    if e.op in ("div", "div_safe"):
+        return ds[0] - ds[1]
+    if e.op in ("add", "sub", "maximum", "minimum") and ds[0] == ds[1]:
+        return ds[0]
+    if e.op in ("neg", "to_f", "relu", "abs"):
+        return ds[0]
+    return None
