@@ -6,7 +6,8 @@ FlexAttention cannot express it (a score modification sees one score, not its ro
     python -m benchmarks.scans [--b 4] [--h 16] [--n 2048] [--d 64]
 
 The forward is one kernel that walks the key blocks last to first; the backward one generated
-kernel over query blocks that walks them twice, adding dK and dV with fp32 atomics. Writes ``$OUT/scans.csv`` when ``OUT`` is set.
+kernel over query blocks that walks them twice, adding dK and dV with fp32 atomics. The decode
+row (one query, 8 n keys, B = 1) runs split-KV: each split scans from 0, the combine scales. Writes ``$OUT/scans.csv`` when ``OUT`` is set.
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def flipped_cumsum(q, k, v):
 def main(argv=None) -> None:
     a = parser(__doc__, b=4, h=16, n=2048, d=64).parse_args(argv)
     qkv = [(a.b, a.h, a.n, a.d)] * 3
-    compare({"stick_breaking": (stick_breaking.attention, qkv), "flipped_cumsum": (flipped_cumsum, qkv)},
-            a.device, "scans.csv")
+    decode = [(1, a.h, 1, a.d)] + [(1, a.h, 8 * a.n, a.d)] * 2      # one query, 8 n keys: split-KV
+    compare({"stick_breaking": (stick_breaking.attention, qkv), "flipped_cumsum": (flipped_cumsum, qkv),
+             "decode": (stick_breaking.attention, decode)}, a.device, "scans.csv")
 
 
 if __name__ == "__main__":
