@@ -1,6 +1,9 @@
-# Session 30's plan (as run in session 30: S31 replaces S30, the scans now train through a generated backward;
-#   carry .s30 = git archive 39e9916):
-#   run(command="bash scripts/device_next.sh S31", carry=[".s30"]), then F on an H200, S28 / OLD=1 S29 on an H100.
+# Session 31's plan (session 30: docs/notes.md "Session 30"; no call got a machine): leave kind out. First
+#   run(command="bash scripts/device_next.sh S31", carry=[".s30"]) (~7 min; prepare .s30 with
+#   git archive 39e9916 | (mkdir -p .s30 && tar -x -C .s30)): the scans' GPU tests through the generated
+#   backward, benchmarks.scans (training, and a split-KV decode row) here and at 39e9916 (reference VJP).
+#   Nothing of the scans has run on a GPU. Then F on an H200 (#6), TR with LIMIT=250 (#5); on an H100:
+#   S28 (carry .s28), OLD=1 S29 (carry .s29).
 # Session 30's plan (session 29: docs/notes.md "Session 29"; no call got a machine): leave kind out.
 #   First S30 (~4 min: the scans' GPU tests, benchmarks.scans: stick-breaking against Inductor; nothing
 #   of the scans has run on a GPU yet, the kernel only compiled offline for sm_90). If an H200 comes
