@@ -98,7 +98,7 @@ class GradPlan:
     zeroed: frozenset[int] = frozenset()
     fused_dq: bool = False      # dQ added by the dK/dV kernel per tile (fp32 atomics): no dQ kernel
     group: Group | None = None
-    scans: list[int] = field(default_factory=list)  # scans whose partial sums take a gradient
+    scans: list[int] = field(default_factory=list)  # scans whose partial sums the bodies read
 
     @property
     def fused_kv(self) -> bool:

@@ -561,7 +561,6 @@ def total_less_partial(region: Region) -> Region | None:
     direction and the total, if nothing else reads it, goes: one pass instead of two (the total
     before the partial sums), and the partial sums come out as sums, not as a difference of
     two large ones."""
-    exprs = region.exprs()
     for p, rp in enumerate(region.reductions):
         if not rp.scan:
             continue
