@@ -42,9 +42,9 @@ from ..ir.scaling import output_exprs, shift_gradients, shifted_sums
 from ..sparsity import TRUE, BlockStat, IntervalWriter, dead_predicate, full_body, full_predicate, useful
 from .emit import KEY_START, Block, CodegenError, Ctx, Emitter, prelude
 from .gradients import GradPlan, carry_init, extra_seeds, flush, grad_plan, in_bounds, output_seeds, per_head, scatter
-from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, TILE, TL_DTYPE, KernelWriter,
-                     batch_index, block_loops, dk_chunks, dv_state, full_tile, group_member, key_block, operand_dtype,
-                     out_offsets, piece_ctx, piece_suffix, segment_bounds, short_expr)
+from .kernel import (CTX_K, CTX_KN, CTX_O, CTX_Q, CTX_QT, CTX_ROW, CTX_S, CTX_ST, CTX_V, SCAN_ORDER, TILE, TL_DTYPE,
+                     KernelWriter, batch_index, block_loops, dk_chunks, dv_state, full_tile, group_member, key_block,
+                     operand_dtype, out_offsets, partial_sums, piece_ctx, piece_suffix, segment_bounds, short_expr)
 
 
 def backward_support(region: Region) -> str | None:
@@ -535,10 +535,8 @@ class TileWriter(KernelWriter):
             body = full_body(rd.body) if full else rd.body
             x = self.em.emit(body, self.ctx_s, loop)
             x = full_tile(x, body, self.ctx_s, self.r) if full else f"tl.where(mask_mn, {x}, 0.0)"
-            loop.lines += [f"x{j} = {x}",
-                           f"sc{j} = c{j} + tl.cumsum(x{j}, 1, reverse={rd.scan == 'suffix'}) - x{j}",
-                           f"c{j} = c{j} + tl.sum(x{j}, 1, keep_dims=True)"]
-            self.em.scan_names[j] = f"sc{j}"
+            partial_sums(self.em, loop, j, rd.scan, x, f"c{j}")
+            loop.lines.append(f"c{j} = c{j} + tl.sum(x{j}, 1, keep_dims=True)")
 
     def scan_adjoints(self, loop: Block, adjoints: dict[Expr, Expr], full: bool, totals: bool) -> None:
         """Reverse each scan: its partial sum at key j (suffix: over the keys k > j) has the
@@ -844,12 +842,13 @@ class DQWriter(TileWriter):
         self.accumulators()
         self.outer.lines += carry_init(self.carried, self.ctx_s)
         passes = every_pass(self.r)
-        if self.plan.scans:
-            order = {"prefix": "forward", "suffix": "reverse"}[self.r.reductions[self.plan.scans[0]].scan]
+        if self.plan.scans:     # two walks over the same live blocks: their scan once
+            order = SCAN_ORDER[self.r.reductions[self.plan.scans[0]].scan]
+            segments = self.segments(passes)
             self.outer.lines += ["# the adjoints of the partial sums over the keys, totalled per row", *self.scan_init(True)]
-            self.outer.lines += self.key_loops(passes, self.scan_totals, order=order)
+            self.outer.lines += self.key_loops(passes, self.scan_totals, order, segments)
             self.outer.lines += ["# the gradients, the key blocks walked again", *self.scan_init(False)]
-            self.outer.lines += self.key_loops(passes, self.key_block_grads, order=order)
+            self.outer.lines += self.key_loops(passes, self.key_block_grads, order, segments)
         else:
             self.outer.lines += self.key_loops(passes, self.key_block_grads)
         self.outer.lines.append("# gradients of the Q operands, accumulated over all key blocks")

@@ -19,6 +19,8 @@ NEG_INF = 'float("-inf")'
 
 # the tile of each var: offsets = start + arange(width) (start_m: the dK/dV kernel's query loop)
 BLOCKS = {"m": ("start_m", "BLOCK_M"), "n": ("start_n", "BLOCK_N"), "dk": ("0", "BLOCK_DK"), "dv": ("0", "BLOCK_DV")}
+# a scan's pass walks its key blocks in this order (``block_loops``)
+SCAN_ORDER = {"prefix": "forward", "suffix": "reverse"}
 
 
 def _ctx(name: str, rows: tuple[str, str], cols: tuple[str, str], key_start: str | None = None) -> Ctx:
@@ -322,7 +324,7 @@ class KernelWriter:
                 out.lines.append(f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)  # -1: the extra element, or no key")
         self.seed(members)
         out.lines += self.key_loops(members + self.recomputed, lambda loop, full: self.loop_body(members, loop, full),
-                                    order={"prefix": "forward", "suffix": "reverse"}.get(next(iter(scans), None)))
+                                    order=SCAN_ORDER.get(next(iter(scans), None)))
         for j in members:
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
@@ -332,14 +334,15 @@ class KernelWriter:
             else:
                 em.red_names[j] = f"r{j}"
 
-    def key_loops(self, members: list[int], body, order: str | None = None) -> list[str]:
+    def key_loops(self, members: list[int], body, order: str | None = None, segments=None) -> list[str]:
         """The loops over key blocks of a pass (``segments``); ``body(loop, full)`` writes one
         block into ``loop``. Returns the lines; the bodies come first so that their hoisted
         invariants precede every guard. (The backward's dQ kernel reuses this with its own body.)
         ``order``: the blocks in key order, "forward" or "reverse" (a scan's pass: ``block_loops``);
-        None, any order."""
+        None, any order. ``segments``: ``segments(members)`` already computed (a second walk over
+        the same blocks)."""
         loops = []
-        segments = self.segments(members)
+        segments = segments or self.segments(members)
         for guard, segs in (reversed(segments) if order == "reverse" else segments):
             indent = "    " if guard else ""
             segs = [(self.bounds(lo), self.bounds(hi), full) for lo, hi, full in segs]
@@ -408,11 +411,8 @@ class KernelWriter:
         exact = jump_reads(r.exprs()) & set(members)
         sctx = plain(CTX_S) if exact else CTX_S
         for j in sorted(self.recomputed + [j for j, red in reds if red.scan]):    # scans first: bodies read them
-            red, carry = r.reductions[j], f"r{j}" if j in members else f"c{j}"
             x = full_tile(bound(em.emit(bodies[j], sctx, loop), "0.0"), bodies[j], sctx, r)
-            loop.lines += [f"x{j} = {x}", f"sc{j} = {carry} + tl.cumsum(x{j}, 1, reverse={red.scan == 'suffix'}) - x{j}"
-                           "  # the partial sums, this key excluded"]
-            em.scan_names[j] = f"sc{j}"
+            partial_sums(em, loop, j, r.reductions[j].scan, x, f"r{j}" if j in members else f"c{j}")
             if j not in members:
                 loop.lines.append(f"c{j} = c{j} + tl.sum(x{j}, 1, keep_dims=True)")
         for j, red in reds:      # running maxima first: the others rescale by them
@@ -593,6 +593,14 @@ class KernelWriter:
         self.epilogue()
         source = self.assemble()
         return prelude(source) + source
+
+
+def partial_sums(em: Emitter, loop: Block, j: int, scan: str, x: str, carry: str) -> None:
+    """Scan j's partial sums on a key block, this key excluded: ``x{j}`` the block's masked
+    body tile, ``carry`` the sum over the blocks already walked; the bodies read ``sc{j}``."""
+    loop.lines += [f"x{j} = {x}", f"sc{j} = {carry} + tl.cumsum(x{j}, 1, reverse={scan == 'suffix'}) - x{j}"
+                   "  # the partial sums, this key excluded"]
+    em.scan_names[j] = f"sc{j}"
 
 
 def recomputed_scans(region: Region, members: list[int]) -> list[int]:
