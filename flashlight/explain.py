@@ -120,6 +120,10 @@ def region_report(c) -> RegionReport:
         f"reference VJP of the evaluator, materialises the scores ({c.bwd_reason})"
     if c.bwd_kernel is not None and c.bwd_kernel.plan.group:
         backward += f"; {group_note(c.bwd_kernel.plan)}"
+    if c.bwd_kernel is not None and c.bwd_kernel.plan.chained:
+        sums = sorted({i for reads in c.bwd_kernel.plan.chained.values() for i in reads})
+        backward += f"; a sums kernel walks the keys to complete the row gradients of {', '.join(f'red{i}' for i in sums)}" \
+            " (read by a later pass)"
     hopper = hopper_forward(r) + (f"; {hopper_backward(r, c.bwd_kernel.plan.fused_dq)}" if c.bwd_kernel is not None
                                   else "")
     return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,

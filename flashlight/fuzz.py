@@ -14,8 +14,8 @@ sigmoid gate), and a learned per-head sink logit concatenated to the scores (gpt
 spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mask``; q, k and v
 as slices of one packed projection; positions on q and k (rotary embeddings, or learned tables
 added to them); the products as matmuls or einsums (with or without ``...``), and a second
-score product over its own dims added (decoupled RoPE). The program is plain PyTorch, built
-from closures.
+score product over its own dims added (decoupled RoPE), and the probabilities thresholded or
+log1p'd and renormalised. The program is plain PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     ``Dv``; drawn all the same, so a seed keeps the rest of its program): the Gluon fuzz asks for
     whole blocks and head dims 64 / 128. ``stops=False``: no stopped gradient (``detach()``, a
     ``no_grad`` term), which only the capture sees (the Gluon fuzz compares kernels); ``scans=False``:
-    no cumulative sum over the keys (no Gluon kernel computes one)."""
+    no cumulative sum over the keys and no renormalised probabilities (no Gluon kernel computes
+    a scan or a second pass)."""
     B, H = rng.choice([1, 2]), rng.choice([1, 2, 4])
     M = rng.choice([1, 2, 5, 13, 16, 31, 37, 64, 70])
     N = rng.choice([M, M, 3, 17, 29, 48, 61, 83])
@@ -204,6 +205,10 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
                     p = e / (e.sum(-1, keepdim=True) + {"softmax_one": torch.exp(-m), "eps": 0.3}.get(shift, 0.0))
             if sink:
                 p = p[..., :N]
+            if post != "none":              # the probabilities changed and renormalised: a later pass reads l
+                w = {"relu": lambda: F.relu(p - 0.3 / N), "hard": lambda: torch.where(p > 0.3 / N, p, 0.0),
+                     "log1p": lambda: torch.log1p(p)}[post]()
+                p = w / w.sum(-1, keepdim=True).clamp_min(1e-6)
             if oracle and second != "none":
                 p = p.nan_to_num(0.0)       # a fully masked row of this map adds 0, not NaN
             o = apply(p, v)
@@ -271,12 +276,16 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # tril(ones) (drawn last, likewise)
     scan = rng.choice(["none"] * 6 + ["prefix", "suffix", "triangle"])
     scan = scan if scans and not sdpa else "none"
+    # the probabilities thresholded (relu(p - t), or where(p > t, p, 0)) or log1p'd, then
+    # renormalised: a pass over the keys reads the softmax's sum (drawn last, likewise)
+    post = rng.choice(["none"] * 6 + ["relu", "hard", "log1p"])
+    post = post if scans and not sdpa else "none"
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
             f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
-            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan}")
+            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan} post={post}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program

@@ -1,3 +1,7 @@
+# Session 32's plan (session 31: docs/notes.md "Session 31"): leave kind out. First
+#   run(command="bash scripts/device_next.sh S32") (~6 min): the GPU tests of the scans and of session 31's
+#   sums kernel, benchmarks.chained and benchmarks.scans against Inductor. Then on an H200: F (#6), then
+#   LIMIT=250 TR (#5); S31 (carry .s30) for the scans' reference-VJP side.
 # Session 31's plan (session 30: docs/notes.md "Session 30"; no call got a machine): leave kind out. First
 #   run(command="bash scripts/device_next.sh S31", carry=[".s30"]) (~7 min; prepare .s30 with
 #   git archive 39e9916 | (mkdir -p .s30 && tar -x -C .s30)): the scans' GPU tests through the generated
@@ -122,6 +126,16 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+S32)  # session 31 (~6 min, no carry): the GPU tests of the scans (session 30's backward) and of the sums a later
+    # pass reads (session 31's sums kernel), then benchmarks.chained (threshold, sqrt weights, causal for scale)
+    # and benchmarks.scans, each against Inductor; the scans' old side (S31, .s30) if time is left
+  timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "scans or sums_read" > $OUT/test_gpu_s32.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed|Error" $OUT/test_gpu_s32.txt | cut -c1-250 | head -12
+  OUT=$OUT/chained timeout -k 5 150 python3 -m benchmarks.chained > $OUT/chained.txt 2>&1
+  echo "chained rc $?"; grep -v "^W\|Warning" $OUT/chained.txt | cut -c1-250 | tail -4
+  OUT=$OUT/scans timeout -k 5 120 python3 -m benchmarks.scans > $OUT/scans.txt 2>&1
+  echo "scans rc $?"; grep -v "^W\|Warning" $OUT/scans.txt | cut -c1-250 | tail -3
+  ;;
 S31)  # session 30 (~7 min; carry .s30 = git archive 39e9916, the reference VJP's side): the scans' GPU tests (the
     # generated backward: one dQ kernel walking the keys twice, dK and dV atomic; 2048-key rows against eager
     # bf16's own error), then benchmarks.scans here and at 39e9916 (same forward, the step through the reference VJP)

@@ -90,18 +90,6 @@ def test_half_precision_gradients():
     check_grads(mod.attention, mod.make_inputs(B=1, H=2, M=21, D=16, dtype=torch.float16), tol=2e-2)
 
 
-def test_unsupported_region_falls_back_to_the_reference_with_a_reason():
-    """exp(softmax(s)) @ v reads the row sum inside the body (no rewrite pulls it out of the exp;
-    softmax(s)**2 @ v no longer does since PULL): its row gradient needs a pass over N before the
-    tile loop, which the generated backward does not do."""
-    def attn(q, k, v):
-        return torch.softmax(q @ k.mT * 0.25, -1).exp() @ v
-    inputs = VARIANTS["vanilla"].make_inputs(B=1, H=2, M=13, D=16)
-    report = flashlight.explain(attn, *inputs)
-    assert "reference VJP" in report.regions[0].backward and "reads reductions" in report.regions[0].backward
-    check_grads(attn, inputs, generated=False)
-
-
 def _kernels(source: str) -> dict[str, str]:
     """The generated backward's kernels by role: the dK/dV kernel, ``_dq`` and ``_rows``."""
     kernels = {}

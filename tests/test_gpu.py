@@ -154,6 +154,29 @@ def test_scans_long_rows_bf16(sharp):
         assert rel_error(g, r) < 2e-2, (i, rel_error(g, r), rel_error(e, r))
 
 
+@pytest.mark.parametrize("case", ["threshold", "twice", "sqrt_weights", "biased"])
+def test_sums_read_by_a_later_pass_bf16(case):
+    """The normaliser read by a later pass (a threshold renormalised, twice; a square root of
+    p; a bias read by both passes): the compiled sums kernel walks the keys between the row
+    kernel and the tile kernels (``SumsWriter``), 333 queries against 1000 keys in bf16, q
+    scaled so that rows are peaked enough to keep keys above the fixed thresholds."""
+    from types import SimpleNamespace
+
+    from flashlight.examples import threshold
+    from test_chained import PROGRAMS, biased
+    torch.manual_seed(0)
+    fn = {"threshold": threshold.attention, "biased": biased, **PROGRAMS}[case]
+    shapes = [(2, 4, 333, 64), (2, 4, 1000, 64), (2, 4, 1000, 64)] + ([(4, 333, 1000)] if case == "biased" else [])
+    inputs = [torch.randn(s, device="cuda") for s in shapes]
+    inputs[0] *= 3      # peaked rows: a few keys above the fixed thresholds of 1000
+    inputs = [x.to(torch.bfloat16).requires_grad_() for x in inputs]
+    r = flashlight.explain(fn, *inputs).regions[0]
+    assert r.backward.startswith("generated") and "sums kernel" in r.backward, r.backward
+    out = torch.compile(fn, backend="flashlight")(*inputs)
+    dout = torch.randn_like(out)
+    check_against_float64(SimpleNamespace(attention=fn), inputs, out, torch.autograd.grad(out, inputs, dout), dout)
+
+
 @pytest.mark.parametrize("case", ["lse_causal", "entropy", "row_max"])
 def test_row_output_gradients_bf16(case):
     """A logsumexp, the attention entropy and the row max returned next to the output: their

@@ -3,6 +3,8 @@
 
 1. ``name_rows`` (``row_gradient_kernel``), one program per (M block, batch index): dL/dr_j for
    every reduction r_j from the output expression (FA2's preprocessing ``D = rowsum(dO * O)``).
+   Where a later pass reads sums (a threshold on e / l), ``name_sums`` (``SumsWriter``) then
+   adds their gradients through those bodies, a walk over the keys per pass.
 2. ``name`` (``DKDVWriter``), one program per (N block, batch index) looping over the live query
    blocks: dK and dV in registers, and the gradients of the loads in the reduction bodies
    (biases of any broadcast shape, gathered tables) scattered per tile.
@@ -29,6 +31,7 @@ gradients with fp32 atomics.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -55,8 +58,9 @@ def backward_support(region: Region) -> str | None:
     m is a constant in the backward; else (``shift_gradients``) dL/dm reaches the score at the
     argmax the forward saved, which needs a body of scores and loads and a constant extra
     element (the argmax may be it). The sums a max shifts may run in its pass or a later one
-    (``ir.scaling.shifted_sums``). Sum bodies may read no other reduction (a row gradient of a sum
-    read inside a body would need a pass over N before the tile loop). A sink element (``extra``:
+    (``ir.scaling.shifted_sums``). A sum body may read maxima the output is invariant to (constants)
+    and plain sums of earlier passes (``read_sums``: their row gradients take a walk over the
+    keys per pass, ``SumsWriter``), not beside a max taking a gradient or a scan. A sink element (``extra``:
     one more row-level element) shifts with the max too; a sum's gets its row gradient in the
     row kernel, which scatters it into the loads it reads (the sink logits). Partial sums over
     the keys (scans) take one kernel over query blocks (``GradPlan.fused_kv``); their bodies read
@@ -75,6 +79,14 @@ def backward_support(region: Region) -> str | None:
             return "a row output reads a P @ V product"
     shifted = shift_gradients(region)
     shift = {k: j for j, m in enumerate(region.reductions) if m.kind == "max" for k in shifted_sums(region, j)}
+    read = read_sums(region)
+    for i in read:
+        if region.reductions[i].kind != "sum" or region.reductions[i].extra is not None or region.reductions[i].scan:
+            return f"red{i}, read by a later pass, is not a plain sum (a product, or one with an extra element)"
+    if read and shifted:
+        return f"a max taking a gradient (red{shifted[0]}) beside sums a later pass reads"
+    if read and scans:
+        return "partial sums over the keys beside sums a later pass reads"
     for j, r in enumerate(region.reductions):
         if r.extra is not None:
             inner = {v for v in free_vars(r.extra) if not v.startswith("b")} - {"m"}
@@ -91,7 +103,8 @@ def backward_support(region: Region) -> str | None:
             if r.extra is not None and r.extra.op != "const":
                 return f"red{j}'s extra element would take the gradient of its shift"
             continue
-        other = refs(r.body, "red") - {shift.get(j)}
+        other = refs(r.body, "red") - {shift.get(j)} - set(read)
+        other -= {i for i in other if region.reductions[i].kind == "max" and i not in shifted}    # constants
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
     exprs = output_exprs(region) + [e for d in region.dots for e in (d.q, d.k)]
@@ -102,6 +115,13 @@ def backward_support(region: Region) -> str | None:
         if op:
             return f"no derivative rule for {op}"
     return None
+
+
+def read_sums(region: Region) -> list[int]:
+    """The sums a later pass's bodies read (the normaliser l of a sum over where(e / l > t, e,
+    0)): their row gradients sum over the keys too (``SumsWriter``)."""
+    return sorted({i for r in region.reductions if r.kind != "max" for i in refs(r.body, "red")
+                   if region.reductions[i].kind != "max"})
 
 
 class DotGrads(NamedTuple):
@@ -240,6 +260,9 @@ def row_gradient_kernel(region: Region, plan: GradPlan, name: str, dg: DotGrads)
         em.red_names[k] = f"r{k}"
     adjoints = vjp(output_seeds(region))
     for j, reduction in enumerate(region.reductions):
+        if red(j) not in adjoints and j in plan.members and reduction.kind == "sum":
+            block.lines.append(f"tl.store(drow_ptr + row + {cols[j]}, tl.zeros([BLOCK_M, 1], tl.float32), "
+                               "mask=mask_m[:, None])  # read by a later pass alone: ``SumsWriter`` adds it")
         if red(j) not in adjoints or reduction.kind == "max":
             continue        # a reduction the output does not read, or a max (``shift_gradients``: below)
         if j in dg.shared:  # c_j into r_j's row-gradient column; the group's G once, 0 where every c is
@@ -358,6 +381,13 @@ class TileWriter(KernelWriter):
         # the body loads whose gradient this kernel sums across its loop (``GradPlan.carried``)
         self.carried = {x: f"gc{c}" for c, x in enumerate(x for x, k in plan.carried.items() if k == self.kernel)}
         self.tile_inits: list[str] = []     # zeroed per tile: the accumulators ``per_tile`` writes
+        self.active: list[int] | None = None    # the members this tile reverses (None: all, ``members``)
+
+    @property
+    def members(self) -> list[int]:
+        """The reductions whose bodies this kernel reverses: the plan's members, or those of one
+        pass (``SumsWriter``'s walks)."""
+        return self.plan.members if self.active is None else self.active
 
     def carry(self, loop: Block, adjoints: dict[Expr, Expr], sums: dict | None = None) -> None:
         """This tile's part of each carried gradient, into its register (``sums``: the tile's
@@ -418,6 +448,15 @@ class TileWriter(KernelWriter):
                 for ctx in self.piece_ctxs("dv", CTX_O):
                     block.lines.append(f"d{dv_state(j, ctx)} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
                                        f" + {self.dg.cols[j]} + {ctx.vars['dv']}, mask={ctx.mask('m', 'dv')}, other=0.0)")
+        for i in self.body_sums:        # the sums of earlier passes the bodies read, as the forward saved them
+            block.lines.append(f"r{i}_v = tl.load(rowstats_ptr + {row} + {cols[i]}, mask=mask_m, other=0.0){vec}")
+            self.em.red_names[i] = f"r{i}_v"
+
+    @property
+    def body_sums(self) -> list[int]:
+        """The sums the member bodies read (``read_sums``)."""
+        return sorted({i for j in self.plan.members for i in refs(self.r.reductions[j].body, "red")
+                       if self.r.reductions[i].kind != "max"})
 
     @property
     def ctxs(self) -> dict[str, Ctx]:
@@ -463,7 +502,7 @@ class TileWriter(KernelWriter):
         em.dot_names, operands = {}, {}
         # S^T = K Q^T from K [N, DK] and Q^T [DK, M], both as loaded, in the transposed kernel
         qctx, kctx = (CTX_QT, CTX_KN) if self.transposed else (CTX_Q, CTX_K)
-        kind = self.kinds[0]
+        kind = self.kinds[0] if self.kinds else "dq"
         for i in self.plan.dots:     # one dot per DK piece (of the accumulator's pieces), chained
             operands[i] = [self.score_dot(i, q, k, loop, transposed=self.transposed, acc=f"qk{i}" if c else None)
                            for c, (q, k) in enumerate(zip(self.piece_ctxs(kind, qctx), self.piece_ctxs(kind, kctx)))]
@@ -471,7 +510,7 @@ class TileWriter(KernelWriter):
         self.scan_tiles(loop, full)
         loop.lines.append("# d body: dR (sum) or dR @ V^T (P @ V)" + (", and dV += body^T @ dR" if "dv" in self.kinds else ""))
         drs: dict[int, list[str]] = {}      # a group's first product -> its dR tile per DV piece
-        for j in self.plan.members:
+        for j in self.members:
             rd = r.reductions[j]
             body = full_body(rd.body) if full else rd.body
             if rd.kind == "max":       # d body = dL/dm at the argmax key, 0 elsewhere
@@ -569,7 +608,7 @@ class TileWriter(KernelWriter):
     def seeds(self, full: bool) -> dict[Expr, Expr]:
         """The adjoint of every member body (mask-free in ``full`` blocks): the ``db{j}`` tiles."""
         seeds: dict[Expr, Expr] = {}
-        for j in self.plan.members:
+        for j in self.members:
             body = full_body(self.r.reductions[j].body) if full else self.r.reductions[j].body
             seeds[body] = seeds[body] + tile(f"db{j}") if body in seeds else tile(f"db{j}")
         return seeds
@@ -807,7 +846,7 @@ class DQWriter(TileWriter):
         return ("dq", "dk", "dv") if self.plan.fused_kv else ("dq",)
 
     def signature(self) -> list[str]:
-        return self.common_args("dq") + ["EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr", "SCAN_BLOCKS: tl.constexpr",
+        return self.common_args(self.kernel) + ["EVEN_M: tl.constexpr", "EVEN_N: tl.constexpr", "SCAN_BLOCKS: tl.constexpr",
                                          "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                                          "BLOCK_DK: tl.constexpr", "BLOCK_DV: tl.constexpr", *self.tma_arg()]
 
@@ -857,6 +896,51 @@ class DQWriter(TileWriter):
         return self.assemble()
 
 
+class SumsWriter(DQWriter):
+    """The row gradients of the sums a later pass reads (``read_sums``: l in a sum over
+    where(e / l > t, e, 0)), completed between the row kernel and the tile kernels: dL/dl is
+    the output's part (the row kernel's) plus sum_n dL/d body_k(n) * d body_k(n) / dl over the
+    bodies that read l, a sum over the keys. One program per (query block, batch index) walks
+    the live key blocks once per pass that reads such sums, last pass first, recomputing that
+    pass's bodies and reversing them (``tile_adjoints``) into the sums they read; after the walk
+    of pass p every sum of pass p - 1 has its whole gradient, which the next walk seeds its
+    bodies with. The totals overwrite the row kernel's columns, which the tile kernels then read
+    as they read any row gradient."""
+    kernel, kinds = "sums", ()
+
+    def sum_block(self, targets: list[int], loop: Block, full: bool) -> None:
+        key_block(loop, full)
+        adjoints, _ = self.tile_adjoints(loop, full)
+        for i in targets:
+            if red(i) in adjoints:
+                g = self.em.emit(adjoints[red(i)], self.ctx_s, loop)
+                loop.lines.append(f"gs{i} = gs{i} + tl.sum(tl.where(mask_mn, tl.broadcast_to({g}, "
+                                  f"{TILE[self.ctx_s.name][2]}), 0.0), 1, keep_dims=True)")
+
+    def write(self) -> str:
+        self.prologue()
+        self.row_values(self.outer)
+        r, chained = self.r, self.plan.chained
+        passes = every_pass(r)
+        segments = self.segments(passes)
+        done = []
+        for p in reversed(r.passes()[1:]):
+            self.active = [j for j in p if j in chained]
+            targets = sorted({i for j in self.active for i in chained[j]})
+            if not targets:
+                continue
+            self.outer.lines += [f"# pass {r.passes().index(p)}'s bodies reversed into the sums they read"]
+            self.outer.lines += [f"gs{i} = tl.zeros([BLOCK_M, 1], tl.float32)" for i in targets]
+            self.outer.lines += self.key_loops(passes, functools.partial(self.sum_block, targets), segments=segments)
+            self.outer.lines += [f"dr{i} = dr{i} + gs{i}" for i in targets]
+            done += targets
+        cols, _ = rowstat_columns(r)
+        for i in sorted(set(done)):
+            self.outer.lines.append(f"tl.store(drow_ptr + pid_b * rowstats_sb + offs_m[:, None] * rowstats_sm + "
+                                    f"{cols[i]}, dr{i}, mask=mask_m[:, None])")
+        return self.assemble()
+
+
 class KernelStats(NamedTuple):
     """The per-block statistics each tile kernel's sparsity scan reads (``sparsity.BlockStat``),
     the layout of the P @ V products' row gradients, and the inputs each tile kernel's tensor
@@ -867,6 +951,13 @@ class KernelStats(NamedTuple):
     tma_dkdv: dict[int, set[int]]
     tma_dq: dict[int, set[int]]
     plan: GradPlan
+    sums: list[BlockStat] = []
+    tma_sums: dict[int, set[int]] = {}
+
+    def of(self, kernel: str) -> tuple[list[BlockStat], dict[int, set[int]]]:
+        """The block statistics and TMA inputs of tile kernel ``kernel`` ("dkdv", "dq", "sums")."""
+        return {"dkdv": (self.dkdv, self.tma_dkdv), "dq": (self.dq, self.tma_dq),
+                "sums": (self.sums, self.tma_sums)}[kernel]
 
 
 def generate_backward(region: Region, name: str, allow_tf32: bool = False, interpret: bool = False,
@@ -885,7 +976,11 @@ def generate_backward(region: Region, name: str, allow_tf32: bool = False, inter
     dq = None if plan.fused_dq else DQWriter(region, plan, f"{name}_dq", allow_tf32, interpret, sparse)
     if dq is not None:
         source += f"\n\n{dq.write()}"
-    dg = (kv or dq).dg
+    sums = SumsWriter(region, plan, f"{name}_sums", allow_tf32, interpret, sparse) if plan.chained else None
+    if sums is not None:
+        source += f"\n\n{sums.write()}"
+    dg = (kv or dq or sums).dg
     source += row_gradient_kernel(region, plan, f"{name}_rows", dg)
     return prelude(source) + source, KernelStats(kv.stats if kv else [], dq.stats if dq else [], dg,
-                                                 kv.em.tma if kv else {}, dq.em.tma if dq else {}, plan)
+                                                 kv.em.tma if kv else {}, dq.em.tma if dq else {}, plan,
+                                                 sums.stats if sums else [], sums.em.tma if sums else {})

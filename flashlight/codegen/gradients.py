@@ -76,8 +76,9 @@ class GradPlan:
     """What the backward kernels compute and where they write it.
 
     Args:
-        members: reductions with a row gradient (sums and P @ V products the output reads, and
-            the maxima in ``shift_gradients``: theirs reaches the argmax key alone).
+        members: reductions with a row gradient (sums and P @ V products the output reads, the
+            sums their bodies read, and the maxima in ``shift_gradients``: theirs reaches the
+            argmax key alone).
         dots: score tiles that some member body reads (recomputed per tile).
         accs: ``"dq"``/``"dk"``/``"dv"`` -> the Q / K / V operand expressions whose gradients
             accumulate in registers (one accumulator per distinct expression).
@@ -89,6 +90,9 @@ class GradPlan:
             kernel; the Q operands' gradients are then per-tile sites of the dK/dV kernel.
         scans: the scans whose partial sums the member bodies read (``fused_kv``); where a
             gradient reaches the partial sums, their bodies are reversed too.
+        chained: the members whose bodies take the gradient of sums of an earlier pass (a sum
+            of relu(e / l - t)), and those sums: the sums kernel (``codegen.backward.SumsWriter``)
+            completes their row gradients.
     """
     members: list[int]
     dots: list[int]
@@ -99,6 +103,7 @@ class GradPlan:
     fused_dq: bool = False      # dQ added by the dK/dV kernel per tile (fp32 atomics): no dQ kernel
     group: Group | None = None
     scans: list[int] = field(default_factory=list)  # scans whose partial sums the bodies read
+    chained: dict[int, list[int]] = field(default_factory=dict)     # member -> the sums its body reverses into
 
     @property
     def fused_kv(self) -> bool:
@@ -209,10 +214,22 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
     ``group``: ``group_loop``'s mode)."""
     row_adj = vjp(output_seeds(region))
     shifted = shift_gradients(region)      # maxima taking a gradient (at their argmax)
-    members = [j for j, rd in enumerate(region.reductions)
-               if (rd.kind != "max" and red(j) in row_adj) or j in shifted]
-    bodies = {region.reductions[j].body: tile("db") for j in members}
-    body_adj = vjp(bodies) if bodies else {}
+    members = {j for j, rd in enumerate(region.reductions) if (rd.kind != "max" and red(j) in row_adj) or j in shifted}
+    body_adj: dict[Expr, Expr] = {}
+    while True:     # and the sums the members' bodies read (``read_sums``), to a fixed point
+        body_adj = vjp({region.reductions[j].body: tile("db") for j in members}) if members else {}
+        found = {x.args[0] for x in body_adj if x.op == "red" and region.reductions[x.args[0]].kind != "max"}
+        if found <= members:
+            break
+        members |= found
+    members = sorted(members)
+    chained = {}        # member -> the member sums its body reads on a gradient path
+    for j in members:
+        if region.reductions[j].kind != "max":
+            adj = vjp({region.reductions[j].body: tile("db")})
+            reads = sorted(x.args[0] for x in adj if x.op == "red" and region.reductions[x.args[0]].kind != "max")
+            if reads:
+                chained[j] = reads
     # the scans the bodies read (their partial sums recomputed), reversed where a gradient reaches them
     scans = sorted({d for j in members for d in refs(region.reductions[j].body, "scan")})
     reached = sorted({x.args[0] for x in body_adj if x.op == "scan"})
@@ -224,7 +241,7 @@ def grad_plan(region: Region, fused_dq: bool = False, group: str = "auto") -> Gr
             "dk": _distinct(region.dots[i].k for i in grad_dots),
             "dv": _distinct(region.reductions[j].v for j in members if region.reductions[j].kind == "dot")}
     plan = GradPlan(members, dots, accs, fused_dq=fused_dq and not scans, scans=scans,
-                    group=None if scans else group_loop(region, accs, group))
+                    group=None if scans else group_loop(region, accs, group), chained=chained)
     fused_dq = plan.fused_dq
     plan.sites = [Site(x.args[0], x, "o", "rows", True) for x in loads(row_adj)]
     plan.sites += [Site(x.args[0], x, "row", "rows", True) for x in loads(vjp(extra_seeds(region, members)))]

@@ -122,8 +122,22 @@ def shifted_sums(region: "Region", j: int) -> list[int]:
     return found
 
 
+# the degree of a constant 0, which is of every degree (c 0 = 0): it takes its siblings'
+ANY = math.inf
+
+
 def _same(ds: list[float]) -> float | None:
-    return ds[0] if all(d == ds[0] for d in ds) else None
+    live = [d for d in ds if d != ANY]
+    return ANY if not live else live[0] if all(d == live[0] for d in live) else None
+
+
+def _quotient(ds: list[float]) -> float | None:
+    return ANY if ds[0] == ANY else None if ds[1] == ANY else ds[0] - ds[1]
+
+
+def _compare(ds: list[float]) -> float | None:
+    """a < b iff c^d a < c^d b (c > 0): a comparison of equal degrees is invariant."""
+    return None if _same(ds) is None else 0.0
 
 
 # How an expression changes when the shift m of a group of sums G grows: the sums scale by some
@@ -133,12 +147,13 @@ def _same(ds: list[float]) -> float | None:
 # degree (None: not homogeneous).
 DEGREE: dict[str, Callable[[list[float]], float | None]] = {
     "mul": lambda d: d[0] + d[1],
-    "div": lambda d: d[0] - d[1],
-    "div_safe": lambda d: d[0] - d[1],      # b == 0 iff c b == 0 (c > 0)
+    "div": lambda d: _quotient(d),
+    "div_safe": lambda d: _quotient(d),     # b == 0 iff c b == 0 (c > 0)
     "add": _same, "sub": _same, "maximum": _same, "minimum": _same,
     "neg": lambda d: d[0], "to_f": lambda d: d[0],
     "relu": lambda d: d[0], "abs": lambda d: d[0],      # c > 0: relu(c x) = c relu(x), |c x| = c |x|
     "where": lambda d: _same(d[1:]) if d[0] == 0 else None,
+    **{op: _compare for op in ("gt", "lt", "ge", "le", "eq", "ne")},
 }
 LN2 = math.log(2.0)
 
@@ -151,7 +166,7 @@ def _const(e: Expr) -> float | None:
 # -> (kind, value), or None to leave the node to DEGREE: exp of a move scales (softmax's
 # exp(s - m)), log of a scaled value moves (a logsumexp's log l), moves add.
 def _moved(ch: tuple) -> float | None:
-    return ch[1] if ch[0] == "add" or ch[1] == 0 else None
+    return ch[1] if ch[0] == "add" else 0.0 if ch[1] in (0, ANY) else None
 
 
 def _scaled(ch: tuple) -> float | None:
@@ -184,17 +199,23 @@ MOVES: dict[str, Callable[[Expr, list], tuple | None]] = {
 }
 
 
-def degree(e: Expr, group: set[int], shift: int | None = None, base2: bool = False) -> float | None:
-    """The degree of ``e`` in the sums ``group``: 0 where it is invariant (a move of 0 too),
-    None where it neither scales nor stays. ``shift``: the max of the group, which moves by
-    -ln c (-log2 c in ``base2`` units). Ops without a row are of degree 0 when their arguments
-    are (sigmoid(a/l))."""
+def degree(e: Expr, group: set[int] | dict[int, float | None], shift: int | None = None,
+           base2: bool = False) -> float | None:
+    """The degree of ``e`` in the sums ``group`` (a set: each of degree 1; a dict: each of its
+    degree, None for one that does not scale): 0 where it is invariant (a move of 0 too), None
+    where it neither scales nor stays. ``shift``: the max of the group, which moves by -ln c
+    (-log2 c in ``base2`` units). A constant 0 is of any degree (``ANY``); ops without a row
+    are of degree 0 when their arguments are (sigmoid(a/l))."""
     memo: dict[Expr, tuple | None] = {}
     for x in walk(e):
         if x.op == "red":
             j = x.args[0]
-            memo[x] = ("mul", 1.0) if j in group else ("add", -1 / LN2 if base2 else -1.0) if j == shift \
-                else ("mul", 0.0)
+            d = (group[j] if isinstance(group, dict) else 1.0) if j in group else None
+            memo[x] = ("mul", d) if d is not None else None if j in group else \
+                ("add", -1 / LN2 if base2 else -1.0) if j == shift else ("mul", 0.0)
+            continue
+        if is_zero(x):
+            memo[x] = ("mul", ANY)
             continue
         ch = [memo[a] for a in x.args if isinstance(a, Expr)] if x.op != "load" else []
         if any(c is None for c in ch):
@@ -206,11 +227,11 @@ def degree(e: Expr, group: set[int], shift: int | None = None, base2: bool = Fal
             if any(d is None for d in ds):
                 memo[x] = None
                 continue
-            d = DEGREE[x.op](ds) if x.op in DEGREE else 0.0 if all(d == 0 for d in ds) else None
+            d = DEGREE[x.op](ds) if x.op in DEGREE else 0.0 if all(d in (0, ANY) for d in ds) else None
             found = None if d is None else ("mul", d)
         memo[x] = None if found is None else (found[0], round(found[1], 9))
     ch = memo[e]
-    return None if ch is None else ch[1] if ch[0] == "mul" or ch[1] == 0 else None
+    return None if ch is None else 0.0 if ch[1] == ANY else ch[1] if ch[0] == "mul" or ch[1] == 0 else None
 
 
 def output_exprs(region: "Region") -> list[Expr]:
@@ -218,19 +239,38 @@ def output_exprs(region: "Region") -> list[Expr]:
     return [region.out, *(row.expr for row in region.rows)]
 
 
+def scaled_sums(region: "Region", j: int) -> dict[int, float | None]:
+    """The degree of every reduction max j scales, or None where it changes but does not scale:
+    its ``shifted_sums`` (degree 1), then, in order, every reduction whose body (or extra
+    element) reads j or one found before — a later pass's sum over the normalised
+    probabilities (sum of where(e / l > t, e, 0): degree 1; of e log(e / l): 1; of (e / l)^2:
+    0). A max reading them is of degree 0 where its terms are (a temperature computed from an
+    entropy), else None; so is any body ``degree`` cannot follow."""
+    r = region.reductions[j]
+    found: dict[int, float | None] = {k: 1.0 for k in shifted_sums(region, j)}
+    for k, rd in enumerate(region.reductions):
+        exprs = [rd.body] + ([rd.extra] if rd.extra is not None else [])
+        if k in found or k == j or not any(refs(e, "red") & ({j} | set(found)) for e in exprs):
+            continue
+        ds = {degree(e, found, shift=j, base2=r.base2) for e in exprs}
+        d = ds.pop() if len(ds) == 1 else None
+        found[k] = d if rd.kind != "max" or d == 0 else None     # a max of invariant terms is invariant
+    return found
+
+
 def shift_gradients(region: "Region") -> list[int]:
     """The running maxima the output is not invariant to, which therefore take a gradient: a
-    max m shifts the sums it rescales (``online``), which scale as exp(-m); where the outputs are
-    homogeneous of degree 0 in them and in its own exp(y - m) terms, and reads m nowhere else,
-    dL/dm = 0 and the backward treats m as a constant. Otherwise (a softmax with an epsilon in
-    its denominator: p = e / (sum e + eps), softpick's) dL/dm = dL/dm|direct
-    - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and it reaches the score at the row's
-    argmax, which the forward saves (``rowstat_columns``)."""
+    max m scales the sums it shifts (``online``) as exp(-m), and the later sums over their
+    normalised terms by some power of it (``scaled_sums``); where the outputs are homogeneous
+    of degree 0 in them and in its own exp(y - m) terms, dL/dm = 0 and the backward treats m as
+    a constant. Otherwise (a softmax with an epsilon in its denominator: p = e / (sum e + eps),
+    softpick's) dL/dm = dL/dm|direct - sum_k <dL/dr_k, r_k> over the sums r_k it shifts, and
+    it reaches the score at the row's argmax, which the forward saves (``rowstat_columns``)."""
     found = []
     for j, r in enumerate(region.reductions):
         if r.kind != "max":
             continue
-        group = set(shifted_sums(region, j))
+        group = scaled_sums(region, j)
         if any(degree(e, group, shift=j, base2=r.base2) != 0 for e in output_exprs(region)):
             found.append(j)
     return found

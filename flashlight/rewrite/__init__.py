@@ -604,8 +604,21 @@ def total_less_partial(region: Region) -> Region | None:
     return None
 
 
+def safe_normalisers(region: Region) -> Region | None:
+    """x / r -> div_safe(x, r) where r is a row value read from the reductions (a normaliser
+    left in a body: relu(e / l - t)): a row whose every key is masked gives 0, not 0/0's NaN,
+    as the division pulled out of a sum does (``_div_by_row``; README, "Semantics decided here")."""
+    def fn(x: Expr) -> Expr | None:
+        if x.op == "div" and refs(x.args[1], "red") and row_constant(x.args[1], region):
+            return call("div_safe", *x.args)
+        return None
+    new = _map(region, fn)
+    return new if new != region else None
+
+
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("dot-scales", factor_dot_scales),
+    ("safe-normalisers", safe_normalisers),
     ("split-concat", split_concat),
     ("clamp-shifts", clamp_shifts),
     ("seed-sums", seed_sums),

@@ -1,6 +1,6 @@
 """The generated backward at run time (``codegen/backward.py``): the gradient tensors and the
 three launches — row gradients, then the dK/dV kernel over key blocks, then the dQ kernel over
-query blocks. The two tile kernels take independent configs (``CompiledRegion.backward`` picks,
+query blocks (and, right after the row gradients, the sums kernel where a later pass reads sums). The two tile kernels take independent configs (``CompiledRegion.backward`` picks,
 tunes and shrinks them separately).
 """
 from __future__ import annotations
@@ -51,8 +51,9 @@ class BackwardKernels:
     rows: object          # the @triton.jit functions
     dkdv: object
     dq: object
+    sums: object = None   # the row gradients of sums a later pass reads (``codegen.backward.SumsWriter``)
     metas: dict = field(default_factory=dict)      # (kernel, config, TMA) -> (grid, launch_meta)
-    scans: dict = field(default_factory=lambda: {"dkdv": True, "dq": True})   # reads SCAN_BLOCKS (op.reads_scan)
+    scans: dict = field(default_factory=lambda: {"dkdv": True, "dq": True, "sums": True})   # reads SCAN_BLOCKS
     gdkdv: background.Tier = field(default_factory=background.Tier)     # the Gluon tile kernels (Hopper)
     gdq: background.Tier = field(default_factory=background.Tier)
 
@@ -67,7 +68,7 @@ class BackwardKernels:
     @functools.cached_property
     def writes(self) -> dict[str | None, list[int]]:
         """``plan.written`` per kernel (None: any), fixed with the plan: read on every launch."""
-        return {kernel: self.plan.written(kernel) for kernel in (None, "rows", "dkdv", "dq")}
+        return {kernel: self.plan.written(kernel) for kernel in (None, "rows", "dkdv", "dq", "sums")}
 
     @functools.cached_property
     def ddot_shape(self) -> tuple[int, int, int]:
@@ -166,8 +167,8 @@ class BackwardKernels:
                 DK=r.DK, DV=r.DV, SCAN_BLOCKS=pow2(cdiv(r.M, cfg.BLOCK_M)) if self.scans["dkdv"] else 1,
                 BLOCK_DK=head_block(r.DK), BLOCK_DV=head_block(r.DV), **cfg.as_kwargs(),
                 **({} if tma is None else {"TMA": tma}))
-        # dQ: the forward's constexprs
-        return (cdiv(r.M, cfg.BLOCK_M), batch), op.launch_meta(r, cfg, tma=tma, scan=self.scans["dq"])
+        # dQ and the sums' walks, over query blocks: the forward's constexprs
+        return (cdiv(r.M, cfg.BLOCK_M), batch), op.launch_meta(r, cfg, tma=tma, scan=self.scans[kernel])
 
     def launch_rows(self, inputs, rowstats, out, grad, bufs, cfg: Config, row_grads=()) -> tuple[torch.Tensor, torch.Tensor]:
         """dL/dr_j: of the row sums into a tensor laid out like the row statistics (only the
@@ -208,7 +209,7 @@ class BackwardKernels:
         drow, ddot = self.row_outputs(rowstats, device="meta")
         jobs = {"rows": (self.rows, *self.meta("rows", configs["rows"]),
                          self.rows_args(inputs, rowstats, out, out, bufs, drow, ddot))}
-        for kernel in self.needed_kernels(None):
+        for kernel in self.needed_kernels(None) + (("sums",) if self.sums is not None else ()):
             fn, grid, meta, _ = self.tile_launch(kernel, inputs, configs[kernel])
             jobs[kernel] = (fn, grid, meta, self.tile_args(kernel, inputs, rowstats, (drow, ddot), bufs, block_stats))
         return {kernel: background.submit(_compat.warm, inputs[0].device, fn, grid, args, meta)
@@ -221,20 +222,19 @@ class BackwardKernels:
         self.launch_tile("dq", inputs, rowstats, drows, bufs, block_stats, cfg)
 
     def tile_args(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict) -> list:
-        """The positional arguments of a tile kernel (``"dkdv"`` or ``"dq"``)."""
+        """The positional arguments of a tile kernel (``"dkdv"``, ``"dq"`` or ``"sums"``)."""
         r = self.region
         args = self.common(inputs, bufs, kernel, rowstats, *drows)
-        return args + op.block_stat_args(self.stats.dkdv if kernel == "dkdv" else self.stats.dq, inputs,
-                                         block_stats) + [*r.batch, r.M, r.N]
+        return args + op.block_stat_args(self.stats.of(kernel)[0], inputs, block_stats) + [*r.batch, r.M, r.N]
 
     def tile_launch(self, kernel: str, inputs, cfg: Config) -> tuple:
         """A tile kernel's function, grid, constexprs and TMA flag for these inputs under ``cfg``."""
-        fn, reqs = (self.dkdv, self.stats.tma_dkdv) if kernel == "dkdv" else (self.dq, self.stats.tma_dq)
-        tma = descriptors.flag(reqs, inputs)
+        fn = {"dkdv": self.dkdv, "dq": self.dq, "sums": self.sums}[kernel]
+        tma = descriptors.flag(self.stats.of(kernel)[1], inputs)
         return (fn, *self.meta(kernel, cfg, tma), tma)
 
     def launch_tile(self, kernel: str, inputs, rowstats, drows, bufs, block_stats: dict, cfg: Config) -> None:
-        """One tile kernel: ``"dkdv"`` over key blocks, or ``"dq"`` over query blocks."""
+        """One tile kernel: ``"dkdv"`` over key blocks, or ``"dq"`` or ``"sums"`` over query blocks."""
         args = self.tile_args(kernel, inputs, rowstats, drows, bufs, block_stats)
         fn, grid, meta, tma = self.tile_launch(kernel, inputs, cfg)
         op.launch_kernel(fn, grid, args, meta, inputs[0].device if tma else None)

@@ -304,7 +304,7 @@ class CompiledRegion:
             disk = TuningCache(self.path.parent, self.name if kernel == "fwd" else f"{self.bwd_name}_{kernel}")
             cfg = disk.load().get(key)
             default = self.default_config(kernel)
-            if cfg is None and self.max_autotune:
+            if cfg is None and self.max_autotune and kernel != "sums":    # (it updates its input in place)
                 space = candidates(block_d, len(r.dots), r.M) if kernel == "fwd" else backward_candidates(block_d, kernel)
                 cfg = self.autotune(tune or (lambda c: self.launch(inputs, c, gluon_ok=False)), space, default)
                 disk.store(key, cfg)
@@ -319,8 +319,8 @@ class CompiledRegion:
         r = self.region
         block_d = max(head_block(r.DK), head_block(r.DV))
         return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-            fit_rows(backward_heuristic(block_d, kernel, self.sparse, len(r.dots), self.loaded_rows, self.body_loads,
-                                        any(rd.scan for rd in r.reductions)), r.M)
+            fit_rows(backward_heuristic(block_d, "dq" if kernel == "sums" else kernel, self.sparse, len(r.dots),
+                                        self.loaded_rows, self.body_loads, any(rd.scan for rd in r.reductions)), r.M)
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
         """The fastest of ``default`` and ``configs`` (``launch(cfg)`` runs one and returns what
@@ -370,6 +370,10 @@ class CompiledRegion:
         self.prefetched("rows")
         drows = k.launch_rows(inputs, rowstats, grad if out is None else out, grad, bufs, rows,   # out unread then
                               row_grads or ())
+        if k.sums is not None and tiles:        # the row gradients of sums a later pass reads
+            self.prefetched("sums")
+            self.fitting(inputs, lambda cfg: k.launch_tile("sums", inputs, rowstats, drows, bufs, block_stats, cfg),
+                         "sums")
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
             self.prefetched(kernel)
             if kernel not in tiles:
@@ -402,7 +406,7 @@ class CompiledRegion:
             if k is None or not self.uses_kernel(inputs):
                 return
             configs = {"rows": self.rows_config(inputs), "dkdv": self.config(inputs, "dkdv"),
-                       "dq": self.config(inputs, "dq")}
+                       "dq": self.config(inputs, "dq"), "sums": self.config(inputs, "sums")}
             self.bwd_prefetch = k.prefetch(inputs, rowstats, out, block_stats, configs)
         except Exception:  # noqa: BLE001 — a forward never fails for its backward: that reports it
             if os.environ.get("FLASHLIGHT_STRICT") == "1":
@@ -674,10 +678,12 @@ def compile_backward(c: CompiledRegion) -> None:
     module, _ = load_module(c.bwd_name, c.bwd_source)
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
     plan = stats.plan
+    sums = f"def {c.bwd_name}_sums(" in c.bwd_source
     c.bwd_kernel = BackwardKernels(c.region, stats, kernel("_rows"), None if plan.fused_kv else kernel(""),
-                                   None if plan.fused_dq else kernel("_dq"),
+                                   None if plan.fused_dq else kernel("_dq"), kernel("_sums") if sums else None,
                                    scans={"dkdv": not plan.fused_kv and reads_scan(c.bwd_source, c.bwd_name),
-                                          "dq": not plan.fused_dq and reads_scan(c.bwd_source, f"{c.bwd_name}_dq")})
+                                          "dq": not plan.fused_dq and reads_scan(c.bwd_source, f"{c.bwd_name}_dq"),
+                                          "sums": sums and reads_scan(c.bwd_source, f"{c.bwd_name}_sums")})
 
 
 @torch.library.custom_op("flashlight::region", mutates_args=())
