@@ -380,6 +380,8 @@ def test_derivative_rows_match_torch_autograd(op):
     arity = POINTWISE[op][0]
     if op == "where":
         body = lambda a, b, g: call("where", call("gt", a, 0.0), a * b, b)          # noqa: E731
+    elif op == "stop":      # stop(a) * b + a: d/da = 1, not 1 + b
+        body = lambda a, b, g: call("stop", a) * b + a                                # noqa: E731
     elif arity == 2:
         body = lambda a, b, g: call(op, a, b)                                         # noqa: E731
     else:

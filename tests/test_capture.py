@@ -214,11 +214,11 @@ def _relu_above_top_k(q, k, v):
     return (p / (p.sum(-1, keepdim=True) + 1e-6)) @ v
 
 
-@pytest.mark.parametrize("fn", [_top_k, _threshold_of_a_second_product, _hard_attention_on_a_detached_max,
-                                _sign_against_top_k, _relu_above_top_k], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("fn", [_top_k, _threshold_of_a_second_product, _sign_against_top_k, _relu_above_top_k],
+                         ids=lambda f: f.__name__[1:])
 def test_scores_meeting_a_value_from_a_product_fall_back(fn):
-    """Thresholds taken from the scores outside the region (top-k, a second product, a detached
-    row max, the k-th score under sign or relu): the kernel recomputes the scores, not bitwise
+    """Thresholds taken from the scores outside the region (top-k, a second product, the k-th
+    score under sign or relu): the kernel recomputes the scores, not bitwise
     as eager's single product, and the comparison flipped at the k-th score itself (output
     errors of 3-66 % in fp32), or, for relu, the backward's kernels split its tie differently
     (dQ 28 % off). Each falls back with the reason; output and gradients match float64."""
@@ -234,7 +234,8 @@ def test_scores_meeting_a_value_from_a_product_fall_back(fn):
 
 def test_scores_meeting_their_own_values_still_fuse():
     """The same scores used smoothly outside (a detached copy added back), a threshold from an
-    input, hard attention against the kernel's own row max without gradients, and a bias from
+    input, hard attention against the kernel's own row max without gradients (in training the
+    detached copies fuse as ``stop`` expressions: no score-sized tensor outside), and a bias from
     a product of other tensors (Evoformer's pair bias through a Linear) under clamp and a
     threshold off the kernel's own row max, in training too: fused, exact. (A first version of
     the check refused anything with a product among a load's ancestors.)"""
@@ -255,6 +256,12 @@ def test_scores_meeting_their_own_values_still_fuse():
                      (projected_bias, (*xs, torch.randn(B, M, N, 8), torch.randn(8, H)))):
         assert len(flashlight.explain(fn, *args).regions) == 1, fn.__name__
         assert rel_error(torch.compile(fn, backend="flashlight")(*args), reference(fn, *args)) < 1e-5
+    for fn in (smooth, _hard_attention_on_a_detached_max):     # in training the detached copies fuse as stops
+        leaves = [x.clone().requires_grad_() for x in xs]
+        report = flashlight.explain(fn, *leaves)
+        assert len(report.regions) == 1 and not any("matmul" in g.code for g in report.graphs), report
+        for a, b in zip(grads(torch.compile(fn, backend="flashlight"), leaves, fp64=False), grads(fn, leaves, fp64=True)):
+            assert rel_error(a, b) < 1e-4
     trained = [x.requires_grad_() for x in (*xs, torch.randn(B, M, N, 8), torch.randn(8, H))]
     assert len(flashlight.explain(projected_bias, *trained).regions) == 1      # clamp is a kink: training too
     for a, b in zip(grads(torch.compile(projected_bias, backend="flashlight"), trained, fp64=False),

@@ -21,7 +21,7 @@ from .autocast import CASTS
 from .epilogue import CONTRACTIONS, extend, packet
 from .ranges import check_integer_ranges
 from .rules import einsum_letters, expand_ellipsis, permute_back
-from .symbolic import GRAD_MODE, RULES, Builder, Unsupported, carries_grad, meta, moved, static_shape
+from .symbolic import GRAD_MODE, RULES, STOPS, Builder, Unsupported, carries_grad, meta, moved, static_shape
 
 aten = torch.ops.aten
 SOFTMAX_LIKE = {aten.softmax, aten._softmax, aten._safe_softmax, aten.exp, aten.log_softmax}
@@ -114,14 +114,18 @@ def _looks_like_attention(node: fx.Node, depth: int = 12) -> bool:
     return False
 
 
-def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
+def build(contraction: fx.Node, fuse_stops: frozenset = frozenset()) -> tuple[Match | None, Builder | None]:
     """Build the region rooted at ``contraction`` (extended through its epilogue). Returns the
-    match (None if this is no attention region) and the builder, whose leaves explain why not."""
+    match (None if this is no attention region) and the builder, whose leaves explain why not.
+    Stopped values (``detach()``, ``torch.no_grad()``) that copy the region's scores — a row max
+    detached to stabilise a softmax, a temperature computed under ``no_grad`` from an entropy —
+    would be loaded, computed outside from score-sized tensors: the region is built again with
+    them fused as ``stop`` expressions (``fuse_stops``; no gradient through them)."""
     geom = _geometry(contraction)
     if geom is None:
         return None, None
     batch, M, N, DV, order = geom
-    b = Builder(batch, M, N, DV, grad_mode=contraction.meta.get(GRAD_MODE, False))
+    b = Builder(batch, M, N, DV, grad_mode=contraction.meta.get(GRAD_MODE, False), fuse_stops=fuse_stops)
     tile = b.bvars + (b.m, b.dv)
     epi = extend(contraction, permute_back(tile, order), tile)
     b.epilogue = epi.nodes - {contraction}
@@ -140,6 +144,14 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
         out_shape=None if epi.store is None else static_shape(meta(root)), out_index=epi.store,
         rows=[Row(e, meta(n).dtype) for n, e in rows.items()],
     )
+    copies = frozenset(stopped_copies(region, list(b.inputs))) - fuse_stops
+    if copies:
+        try:
+            fused = build(contraction, fuse_stops | copies)
+        except Unsupported:
+            fused = None, None
+        if fused[0] is not None:
+            return fused
     _check_no_recomputed_jump(region, list(b.inputs), carries_grad(root) or any(carries_grad(n) for n in rows), contraction)
     inner = b.inner | epi.nodes | set(rows)
     check_integer_ranges(inner, list(b.inputs), contraction)
@@ -150,6 +162,33 @@ def build(contraction: fx.Node) -> tuple[Match | None, Builder | None]:
 # in training, whose derivative jumps (kinks), at some score value.
 KINKS = frozenset({"relu", "abs", "maximum", "minimum"})
 PRODUCTS = {aten.matmul, aten.bmm, aten.einsum, aten.baddbmm, aten.mm, aten.addmm, aten.linear}
+
+
+def _score_sources(region: Region, leaves: list[fx.Node]) -> list[set[fx.Node]]:
+    """Per score product, the tensors its Q and K operands load (through casts and moves)."""
+    return [{_source(leaves[i]) for i in refs(d.q, "load") | refs(d.k, "load")} for d in region.dots]
+
+
+def _copies_scores(node: fx.Node, operands: list[set[fx.Node]]) -> bool:
+    """Is ``node`` computed from a product of the same q and k as one of the region's?"""
+    return any(packet(n) in PRODUCTS and any(ops <= {n} | _upstream({n}) for ops in operands)
+               for n in {node} | _upstream({node}))
+
+
+def stopped_copies(region: Region, leaves: list[fx.Node]) -> list[fx.Node]:
+    """The loaded stopped values (``symbolic.STOPS``) computed from the region's own scores:
+    every product they are computed from is one of the region's score products (a teacher's
+    P @ V under ``no_grad`` stays a region of its own, a bias from a ``Linear`` a load)."""
+    operands = _score_sources(region, leaves)
+
+    def scores(n: fx.Node) -> bool:
+        return any(ops <= {_source(a) for a in _operands(n)} for ops in operands)
+    found = []
+    for x in leaves:
+        products = [n for n in {x} | _upstream({x}) if packet(n) in PRODUCTS]
+        if x.meta.get(STOPS, False) and products and all(scores(n) for n in products):
+            found.append(x)
+    return found
 
 
 def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentiated: bool,
@@ -168,13 +207,12 @@ def _check_no_recomputed_jump(region: Region, leaves: list[fx.Node], differentia
     other tensors, products included (a bias from a ``Linear``). A threshold that reaches the
     compiled function as an input cannot be told from any other input: computed from the same
     scores outside it, it meets the same rounding (README)."""
-    operands = [{_source(leaves[i]) for i in refs(d.q, "load") | refs(d.k, "load")} for d in region.dots]
+    operands = _score_sources(region, leaves)
     copies: dict[int, bool] = {}
 
     def copies_scores(i: int) -> bool:      # asked only of loads that meet the scores in a jump
         if i not in copies:
-            copies[i] = any(packet(n) in PRODUCTS and any(ops <= {n} | _upstream({n}) for ops in operands)
-                            for n in {leaves[i]} | _upstream({leaves[i]}))
+            copies[i] = _copies_scores(leaves[i], operands)
         return copies[i]
     ops = JUMPS | KINKS if differentiated else JUMPS
     memo: dict[int, tuple[bool, frozenset[int]]] = {}

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from .. import _compat
-from ..ir import Dot, Expr, Reduction, const, dot, free_vars, load, red, refs, substitute, var, walk
+from ..ir import Dot, Expr, Reduction, call, const, dot, free_vars, load, red, refs, substitute, var, walk
 from ..ir.expr import scan
 
 aten = torch.ops.aten
@@ -204,9 +204,13 @@ def carries_grad(node: fx.Node) -> bool:
 
 
 class Builder:
-    def __init__(self, batch: tuple[int, ...], M: int, N: int, DV: int, grad_mode: bool = False):
+    def __init__(self, batch: tuple[int, ...], M: int, N: int, DV: int, grad_mode: bool = False,
+                 fuse_stops: frozenset = frozenset()):
         self.batch, self.M, self.N, self.DV = batch, M, N, DV
         self.grad_mode = grad_mode      # a contraction under grad mode in a marked graph: STOPS nodes are leaves
+        # ... but these, copies of the region's scores (``regions.build``), which fuse as ``stop``
+        # expressions, and the stopped values they are computed from (``stopping``: inside one)
+        self.fuse_stops, self.stopping = fuse_stops, 0
         self.DK: int | None = None
         self.bvars = tuple(var(f"b{i}") for i in range(len(batch)))
         self.m, self.n, self.dk, self.dv = var("m"), var("n"), var("dk"), var("dv")
@@ -222,7 +226,7 @@ class Builder:
     # -- trial evaluation ------------------------------------------------------------------
     def snapshot(self) -> "Builder":
         """A copy of the state, for ``restore`` after a trial evaluation that is rejected."""
-        saved = Builder(self.batch, self.M, self.N, self.DV, self.grad_mode)
+        saved = Builder(self.batch, self.M, self.N, self.DV, self.grad_mode, self.fuse_stops)
         saved.DK = self.DK
         for name in ("inputs", "dots", "reductions", "syms", "inner", "leaves", "declined"):
             setattr(saved, name, type(getattr(self, name))(getattr(self, name)))
@@ -250,15 +254,22 @@ class Builder:
         if written_later(node):     # its expression is not what its readers see: load it instead
             self.decline(node, "written in place after it is computed (e.g. through a view)")
             return self.leaf(node)
-        if self.grad_mode and node.meta.get(STOPS, False):     # no gradient flows through it
+        stops = self.grad_mode and node.meta.get(STOPS, False)     # no gradient flows through it
+        if stops and node not in self.fuse_stops and not self.stopping:
             self.decline(node, "its gradient is stopped (detach() or no_grad) in a region under grad mode")
             return self.leaf(node)
         key = getattr(node.target, "overloadpacket", node.target)
         rule = RULES.get(key) if node.op == "call_function" else None
-        s = rule(self, node, *node.args, **node.kwargs) if rule else None
+        self.stopping += stops
+        try:
+            s = rule(self, node, *node.args, **node.kwargs) if rule else None
+        finally:
+            self.stopping -= stops
         if s is None:
             return self.leaf(node)
         self.inner.add(node)
+        if node in self.fuse_stops:
+            return Sym(s.shape, s.kind, lambda idx: call("stop", s(idx)) if s.kind == "f" else s(idx))
         return s
 
     def leaf(self, node: fx.Node) -> Sym:

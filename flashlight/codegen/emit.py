@@ -37,6 +37,7 @@ TRITON: dict[str, str] = {
     "sin": "tl.sin({0})", "cos": "tl.cos({0})", "floor": "tl.floor({0})", "ceil": "tl.ceil({0})",
     "where": "tl.where({0}, {1}, {2})",
     "to_f": "{0}.to(tl.float32)", "to_i": "{0}.to(tl.int64)", "to_b": "{0} != 0",
+    "stop": "{0}",
     # the output tile holds whole rows of dv (BLOCK_DV >= DV): a row sum, padding columns masked
     "sum_dv": "tl.sum(tl.where(mask_dv[None, :], {0} + tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), 0.0), 1, keep_dims=True)",
     "rand16": "fl_rand16({0}, {1}, {2})",     # any index tiles; CTX_S's key axis: fl_rand16_block

@@ -65,6 +65,7 @@ DERIVATIVE: dict[str, Callable[[Expr, Expr], tuple]] = {
     "sign": lambda y, g: (None,),
     "where": lambda y, g: (None, _where(y.args[0], g, ZERO), _where(y.args[0], ZERO, g)),
     "to_f": lambda y, g: (g,),
+    "stop": lambda y, g: (None,),       # detach(): no gradient through it
     # y[m] = sum_dv x[m, dv], only in the output's [M, DV] tile, where an adjoint is per element:
     # y broadcast along dv is used once per element, so its adjoint sums g over dv (RMSNorm's rsqrt)
     "sum_dv": lambda y, g: (call("sum_dv", g),),
@@ -81,7 +82,7 @@ def needs_grad(e: Expr) -> bool:
         return False
     if e.op in LEAVES:
         return True
-    if e.op in ("load", "tile") or not e.args:
+    if e.op in ("load", "tile", "stop") or not e.args:
         return False
     return any(isinstance(a, Expr) and needs_grad(a) for a in e.args)
 

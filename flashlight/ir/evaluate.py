@@ -31,6 +31,7 @@ OPS: dict[str, Callable] = {
     "tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "erf": torch.erf,
     "sin": torch.sin, "cos": torch.cos, "floor": torch.floor, "ceil": torch.ceil, "round": torch.round,
     "where": torch.where,
+    "stop": torch.Tensor.detach,
     "rand16": philox.rand16,
 }
 

@@ -103,6 +103,9 @@ POINTWISE: dict[str, tuple[int, str | None]] = {
     "sin": (1, "f"), "cos": (1, "f"), "floor": (1, None), "ceil": (1, None), "round": (1, None),
     "where": (3, None),         # kind follows the second operand (promoted with the third)
     "to_f": (1, "f"), "to_i": (1, "i"), "to_b": (1, "b"),
+    # the value itself, with no gradient through it: ``detach()`` or a ``torch.no_grad()`` block
+    # in the program, fused with the region's scores (capture's ``fuse_stops``)
+    "stop": (1, None),
     # torch.cat([x, e], -1) of an (.., N) score tensor and one (.., 1) column: x at keys n < N,
     # the row value e at position N. A max / sum whose body reads it spans N + 1 positions;
     # rewrite.split_concat turns that into a reduction over the keys plus an ``extra`` element.

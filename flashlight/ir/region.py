@@ -56,12 +56,14 @@ class Reduction:
     extra: Expr | None = None   # over (b..., m): one more element of a max / sum (a sink column)
     base2: bool = False         # a max in log2 units (rewrite "base-2"): its sums rescale by exp2
     scan: str | None = None     # a sum whose partial sums the bodies read: "prefix" or "suffix"
+    stopped: bool = False       # a max read only through detach(): no gradient (rewrite "stopped-maxima")
 
     def __post_init__(self):
         assert self.kind in RED_KINDS
         assert (self.v is not None) == (self.kind == "dot")
         assert self.extra is None or self.kind != "dot"
         assert not self.base2 or self.kind == "max"
+        assert not self.stopped or self.kind == "max"
         assert self.scan in SCANS and (self.scan is None or (self.kind == "sum" and self.extra is None
                                                              and self.online is None))
 
@@ -145,6 +147,7 @@ class Region:
             on = f" online(red{r.online})" if r.online is not None else ""
             on += " base2" if r.base2 else ""
             on += f" scan={r.scan}" if r.scan else ""
+            on += " stopped" if r.stopped else ""
             extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)} {self.out_dtype}")

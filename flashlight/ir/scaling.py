@@ -217,6 +217,9 @@ def degree(e: Expr, group: set[int] | dict[int, float | None], shift: int | None
         if is_zero(x):
             memo[x] = ("mul", ANY)
             continue
+        if x.op == "stop":      # detach(): a constant to the gradient, which is what degree decides
+            memo[x] = ("mul", 0.0)
+            continue
         ch = [memo[a] for a in x.args if isinstance(a, Expr)] if x.op != "load" else []
         if any(c is None for c in ch):
             memo[x] = None
@@ -268,7 +271,7 @@ def shift_gradients(region: "Region") -> list[int]:
     it reaches the score at the row's argmax, which the forward saves (``rowstat_columns``)."""
     found = []
     for j, r in enumerate(region.reductions):
-        if r.kind != "max":
+        if r.kind != "max" or r.stopped:
             continue
         group = scaled_sums(region, j)
         if any(degree(e, group, shift=j, base2=r.base2) != 0 for e in output_exprs(region)):

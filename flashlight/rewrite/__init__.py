@@ -604,6 +604,32 @@ def total_less_partial(region: Region) -> Region | None:
     return None
 
 
+def _reads_outside_stops(e: Expr, j: int, memo: dict) -> bool:
+    """Does ``e`` read red j other than inside a ``stop`` (``detach()``)?"""
+    if e not in memo:
+        memo[e] = e == red(j) or (e.op != "stop" and any(
+            isinstance(a, Expr) and _reads_outside_stops(a, j, memo) for a in e.args))
+    return memo[e]
+
+
+def stopped_maxima(region: Region) -> Region | None:
+    """A max read only inside ``detach()`` (``s - s.amax(-1, keepdim=True).detach()``, as
+    hand-written softmaxes often stabilise): the max is ``stopped`` — it takes no gradient,
+    whatever the output's dependence on it — and the stops around it alone (``stop(red j)``, or
+    of an expression of it and constants) go, so that the sums it shifts are recognised as such
+    and run online in its pass."""
+    for j, r in enumerate(region.reductions):
+        memo: dict = {}
+        if r.kind != "max" or r.stopped or not any(j in refs(e, "red") for e in region.exprs()) or \
+                any(_reads_outside_stops(e, j, memo) for e in region.exprs()):
+            continue
+        reds = [replace(x, stopped=True) if i == j else x for i, x in enumerate(region.reductions)]
+        alone = lambda x: x.args[0] if x.op == "stop" and refs(x.args[0], "red") == {j} and not any(   # noqa: E731
+            refs(x.args[0], op) for op in ("dot", "load", "scan", "tile")) else None
+        return _map(replace(region, reductions=reds), alone)
+    return None
+
+
 def safe_normalisers(region: Region) -> Region | None:
     """x / r -> div_safe(x, r) where r is a row value read from the reductions (a normaliser
     left in a body: relu(e / l - t)): a row whose every key is masked gives 0, not 0/0's NaN,
@@ -618,6 +644,7 @@ def safe_normalisers(region: Region) -> Region | None:
 
 RULES: list[tuple[str, Callable[[Region], Region | None]]] = [
     ("dot-scales", factor_dot_scales),
+    ("stopped-maxima", stopped_maxima),
     ("safe-normalisers", safe_normalisers),
     ("split-concat", split_concat),
     ("clamp-shifts", clamp_shifts),

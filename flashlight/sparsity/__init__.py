@@ -126,6 +126,7 @@ FINITE_WHEN: dict[str, Callable[[Expr], Expr]] = {
     "div": lambda e: finite_when(e.args[0]) if e.args[1].op == "const" and e.args[1].args[0] else FALSE,
     "neg": lambda e: finite_when(e.args[0]),
     "to_f": lambda e: finite_when(e.args[0]),
+    "stop": lambda e: finite_when(e.args[0]),
 }
 
 
@@ -168,6 +169,7 @@ SIGN: dict[str, Callable[[Expr, int], bool]] = {
                             (_signed(e.args[0], s) and _signed(e.args[1], s)),
     "where": lambda e, s: _signed(e.args[1], s) and _signed(e.args[2], s),
     "to_f": lambda e, s: e.args[0].kind != "b" and _signed(e.args[0], s),
+    "stop": lambda e, s: _signed(e.args[0], s),
 }
 
 
@@ -192,6 +194,7 @@ NEG_INF_WHEN: dict[str, Callable[[Expr], Expr]] = {
     "minimum": lambda e: call("or", neg_inf_when(e.args[0]), neg_inf_when(e.args[1])),
     "maximum": lambda e: call("and", neg_inf_when(e.args[0]), neg_inf_when(e.args[1])),
     "to_f": lambda e: neg_inf_when(e.args[0]),
+    "stop": lambda e: neg_inf_when(e.args[0]),
 }
 
 UNDERFLOW = -1100.0     # exp(x) and exp2(x) of x <= this are 0, in float64 as in float32
@@ -217,6 +220,7 @@ UNDERFLOW_WHEN: dict[str, Callable[[Expr], Expr]] = {
     "mul": lambda e: call("or", neg_inf_when(e), underflow_when(e.args[0]) if _at_least_one(e.args[1]) else
                           underflow_when(e.args[1]) if _at_least_one(e.args[0]) else FALSE),
     "to_f": lambda e: underflow_when(e.args[0]),
+    "stop": lambda e: underflow_when(e.args[0]),
 }
 
 
@@ -234,6 +238,7 @@ ZERO_WHEN: dict[str, Callable[[Expr], Expr]] = {
     "div_safe": lambda e: zero_when(e.args[0]),
     "where": lambda e: _branches(e.args[0], zero_when(e.args[1]), zero_when(e.args[2])),
     "to_f": lambda e: zero_when(e.args[0]),
+    "stop": lambda e: zero_when(e.args[0]),
     "relu": _relu_zero_when,
     "abs": lambda e: zero_when(e.args[0]),
 }
@@ -408,7 +413,7 @@ class IntervalWriter:
             return self._load(e)
         if op in ("red", "dot", "tile"):    # an earlier pass's row value (a key padding length reduced
             return None                     # from ids), a product: not bounded per block here
-        if op in ("to_i", "to_f"):
+        if op in ("to_i", "to_f", "stop"):
             return self.interval(a[0]) if a[0].kind != "b" else None
         args = [self.interval(x) for x in a if x.kind != "b"]
         if any(x is None for x in args):
