@@ -15,7 +15,8 @@ spelled with ``F.scaled_dot_product_attention``, its bias and mask as ``attn_mas
 as slices of one packed projection; positions on q and k (rotary embeddings, or learned tables
 added to them); the products as matmuls or einsums (with or without ``...``), and a second
 score product over its own dims added (decoupled RoPE), and the probabilities thresholded or
-log1p'd and renormalised. The program is plain PyTorch, built from closures.
+log1p'd and renormalised, the hand-written softmax's shift detached. The program is plain
+PyTorch, built from closures.
 """
 from __future__ import annotations
 
@@ -197,6 +198,7 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             else:       # the shift as drawn (``shift``): softmax_1, an epsilon and softpick change the map
                 m = torch.max(s, -1, keepdim=True).values if shift == "max_values" else s.amax(-1, keepdim=True)
                 m = m.clamp(min=0) if shift == "softmax_one" else m
+                m = m.detach() if detach_shift else m       # as many codebases stabilise it
                 e = torch.exp(s - m)
                 if shift == "softpick":
                     e = e - torch.exp(-m)
@@ -280,12 +282,15 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # renormalised: a pass over the keys reads the softmax's sum (drawn last, likewise)
     post = rng.choice(["none"] * 6 + ["relu", "hard", "log1p"])
     post = post if scans and not sdpa else "none"
+    # the hand-written softmax's shift detached (drawn last, likewise): it takes no gradient
+    detach_shift = spelling == "hand" and rng.random() < 0.3
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
             f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
-            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan} post={post}")
+            f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan} post={post} "
+            f"detach_shift={detach_shift}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program
