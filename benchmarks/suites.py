@@ -116,6 +116,8 @@ PROGRAMS: dict[str, Program] = {
     "sigmoid_attention": _example("sigmoid_attention"),
     "relative_position": _example("relative_position", unbatched=(3,), head_sliceable=False),
     "rope": _example("rope", unbatched=(3, 4)),       # cos and sin tables: [N, D]
+    # causal; the program's FLOPs (the kernel computes q @ k^T once per pass: two)
+    "threshold": _example("threshold", mask=lambda b, h, m, n: n <= m),
     "decode_causal": Program(fn=decode.causal, make=decode.make_inputs, flex=decode.flex_causal,
                              sdpa=lambda xs: decode.sdpa_call("decode_causal", xs)),
     "decode_alibi": Program(fn=decode.alibi, make=decode.make_inputs, flex=decode.flex_alibi,
@@ -160,7 +162,7 @@ SPARSITY_VARIANTS = ["causal", "sliding_256", "prefix_lm_256", "document_12"]
 # gives today (Inductor builds the mask, SDPA reads it) against the fused program and Flex
 SDPA_VARIANTS = [("document_12_sdpa", "sdpa_document", ())]
 OTHER_BEYOND = [(n, n, ()) for n in ["gated", "hand_softmax", "relu_attention", "sigmoid_attention",
-                                      "relative_position", "rope"]] + [("rope_gqa_4", "rope", (("group", 4),))]
+                                      "relative_position", "rope", "threshold"]] + [("rope_gqa_4", "rope", (("group", 4),))]
 TRAINING_VARIANTS = [("causal", "causal", ()), ("alibi", "alibi", ()), ("document_12", "document_mask", ()),
                      ("diff_attention", "diff_attention", ()), ("diff_transformer", "diff_transformer", ()),
                      ("gqa_4", "gqa", (("group", 4),)),     # K/V heads shared: the dK/dV group loop
