@@ -1,7 +1,7 @@
 """Compile a variant's generated kernels for the H200 (sm_90) on a machine without a GPU, and
 report what ptxas made of them: registers, spills, shared memory and the instruction mix.
 
-    python -m benchmarks.offline --variants causal,vanilla --d 128 [--n 4096] [--kernels fwd,rows,dkdv,dq]
+    python -m benchmarks.offline --variants causal,vanilla --d 128 [--n 4096] [--kernels fwd,rows,sums,dkdv,dq]
                                  [--config fwd=128x128w8s3,dkdv=32x64w4s3] [--dump DIR]
 
 The region is captured on meta tensors (nothing is computed), the kernels are generated as for
@@ -95,7 +95,7 @@ def capture(mod, b: int, h: int, n: int, d: int):
 def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     """kernel name -> (JIT function, args, meta) of each launch of one forward and backward."""
     cfg = {"fwd": c.default_config("fwd"), "rows": ROWS,
-           "dkdv": c.default_config("dkdv"), "dq": c.default_config("dq")}
+           "dkdv": c.default_config("dkdv"), "dq": c.default_config("dq"), "sums": c.default_config("sums")}
     cfg.update(configs)
     fwd = Recorder(c.kernel.fn)
     c.kernel = fwd
@@ -121,11 +121,13 @@ def record(c, inputs, configs: dict) -> dict[str, tuple[object, tuple, dict]]:
     k.rows = Recorder(k.rows.fn)
     k.dkdv = Recorder(k.dkdv.fn) if "dkdv" in tiles else None
     k.dq = Recorder(k.dq.fn) if "dq" in tiles else None
+    sums = ("sums",) if k.sums is not None else ()      # a later pass reads sums (codegen.backward.SumsWriter)
+    k.sums = Recorder(k.sums.fn) if sums else None
     bufs = k.buffers(inputs, tiles)
     drows = k.launch_rows(inputs, rowstats, out, torch.empty_like(out), bufs, cfg["rows"])
-    for kernel in tiles:
-        getattr(k, f"launch_{kernel}")(inputs, rowstats, drows, bufs, {}, cfg[kernel])
-    for name in ("rows", *tiles):
+    for kernel in sums + tiles:
+        k.launch_tile(kernel, inputs, rowstats, drows, bufs, {}, cfg[kernel])
+    for name in ("rows", *sums, *tiles):
         rec = getattr(k, name)
         found[name] = (rec.fn, *rec.launches[0], cfg[name])
     if not k.gluon_tiles_unsupported:     # the Hopper tile kernels, with the Triton kernels' arguments
@@ -206,7 +208,7 @@ def main() -> None:
     p.add_argument("--h", type=int, default=16)
     p.add_argument("--n", type=int, default=4096)
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--kernels", default="fwd,qfwd,gfwd,rows,dkdv,gdkdv,dq,gdq",
+    p.add_argument("--kernels", default="fwd,qfwd,gfwd,rows,sums,dkdv,gdkdv,dq,gdq",
                    help="qfwd: a masked region's quick-start forward (runtime.quick); gfwd, gdkdv, gdq: the "
                         "Gluon forward, dK/dV and dQ kernels, where they apply")
     p.add_argument("--config", default="", help="kernel=config pairs, e.g. fwd=128x128w8s3,dkdv=32x64w4s3")

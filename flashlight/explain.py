@@ -49,6 +49,8 @@ def features(region: Region) -> list[str]:
         feats.add("key-scan")       # partial sums over the keys (stick-breaking)
     if shift_gradients(region):
         feats.add("shift-gradient")     # the output depends on a max shift: its argmax is saved
+    if any(r.stopped for r in region.reductions) or any(x.op == "stop" for e in region.exprs() for x in walk(e)):
+        feats.add("stop-gradient")      # detach() / no_grad values computed in the kernel, no gradient
     if len(region.dots) > 1:
         feats.add(f"{len(region.dots)}-scores")
     if refs(region.out, "load"):

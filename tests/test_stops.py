@@ -79,7 +79,7 @@ def test_stopped_copies_of_the_scores_fuse_and_train(name):
     assert not any("matmul" in gr.code for gr in report.graphs)
     r = report.regions[0]
     passes = next((int(f.split("-")[0]) for f in r.features if f.endswith("-pass")), 1)
-    assert passes == PASSES[name] and "shift-gradient" not in r.features, r.features
+    assert passes == PASSES[name] and "shift-gradient" not in r.features and "stop-gradient" in r.features, r.features
     assert r.backward.startswith("generated"), r.backward
     check_grads(fn, xs)
 
