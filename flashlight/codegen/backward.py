@@ -117,10 +117,13 @@ def backward_support(region: Region) -> str | None:
     return None
 
 
-def read_sums(region: Region) -> list[int]:
+def read_sums(region: Region, readers: list[int] | None = None) -> list[int]:
     """The sums a later pass's bodies read (the normaliser l of a sum over where(e / l > t, e,
-    0)): their row gradients sum over the keys too (``SumsWriter``)."""
-    return sorted({i for r in region.reductions if r.kind != "max" for i in refs(r.body, "red")
+    0)): their row gradients sum over the keys too (``SumsWriter``). ``readers``: the
+    reductions whose bodies count (default: every sum and product)."""
+    if readers is None:
+        readers = [j for j, r in enumerate(region.reductions) if r.kind != "max"]
+    return sorted({i for j in readers for i in refs(region.reductions[j].body, "red")
                    if region.reductions[i].kind != "max"})
 
 
@@ -448,15 +451,9 @@ class TileWriter(KernelWriter):
                 for ctx in self.piece_ctxs("dv", CTX_O):
                     block.lines.append(f"d{dv_state(j, ctx)} = tl.load(ddot_ptr + pid_b * ddot_sb + offs_m[:, None] * ddot_sm"
                                        f" + {self.dg.cols[j]} + {ctx.vars['dv']}, mask={ctx.mask('m', 'dv')}, other=0.0)")
-        for i in self.body_sums:        # the sums of earlier passes the bodies read, as the forward saved them
+        for i in read_sums(self.r, self.plan.members):      # as the forward saved them
             block.lines.append(f"r{i}_v = tl.load(rowstats_ptr + {row} + {cols[i]}, mask=mask_m, other=0.0){vec}")
             self.em.red_names[i] = f"r{i}_v"
-
-    @property
-    def body_sums(self) -> list[int]:
-        """The sums the member bodies read (``read_sums``)."""
-        return sorted({i for j in self.plan.members for i in refs(self.r.reductions[j].body, "red")
-                       if self.r.reductions[i].kind != "max"})
 
     @property
     def ctxs(self) -> dict[str, Ctx]:

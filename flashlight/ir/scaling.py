@@ -147,8 +147,8 @@ def _compare(ds: list[float]) -> float | None:
 # degree (None: not homogeneous).
 DEGREE: dict[str, Callable[[list[float]], float | None]] = {
     "mul": lambda d: d[0] + d[1],
-    "div": lambda d: _quotient(d),
-    "div_safe": lambda d: _quotient(d),     # b == 0 iff c b == 0 (c > 0)
+    "div": _quotient,
+    "div_safe": _quotient,      # b == 0 iff c b == 0 (c > 0)
     "add": _same, "sub": _same, "maximum": _same, "minimum": _same,
     "neg": lambda d: d[0], "to_f": lambda d: d[0],
     "relu": lambda d: d[0], "abs": lambda d: d[0],      # c > 0: relu(c x) = c relu(x), |c x| = c |x|

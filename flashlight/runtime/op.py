@@ -678,7 +678,7 @@ def compile_backward(c: CompiledRegion) -> None:
     module, _ = load_module(c.bwd_name, c.bwd_source)
     kernel = lambda suffix: fast_launch(getattr(module, f"{c.bwd_name}{suffix}"), interpreting())       # noqa: E731
     plan = stats.plan
-    sums = f"def {c.bwd_name}_sums(" in c.bwd_source
+    sums = bool(plan.chained)      # the sums kernel (codegen.backward.SumsWriter)
     c.bwd_kernel = BackwardKernels(c.region, stats, kernel("_rows"), None if plan.fused_kv else kernel(""),
                                    None if plan.fused_dq else kernel("_dq"), kernel("_sums") if sums else None,
                                    scans={"dkdv": not plan.fused_kv and reads_scan(c.bwd_source, c.bwd_name),
