@@ -16,6 +16,7 @@ from flashlight.capture.scans import COL, triangle
 from flashlight.examples import stick_breaking, vanilla
 from flashlight.ir import call, const, var
 from flashlight.ir.expr import scan
+from flashlight.ir.scaling import scan_degree
 from flashlight.sparsity import nonneg, nonpos, zero_when
 from helpers import check_fused, check_grads
 
@@ -246,6 +247,21 @@ def test_underflow_rule_reads_the_sign_of_the_scan():
     assert zero_when(body) == mask
     unsigned = call("exp", call("add", call("where", mask, const(-1e5), logsig), scan(0, (var("m"), var("n")))))
     assert zero_when(unsigned).op == "const" and zero_when(unsigned).args[0] is False
+
+
+def test_degree_of_a_body_in_its_partial_sums():
+    """``scan_degree`` (``ir.scaling.degree`` with the partial sums moving): exp(log z + S) scales
+    as exp(t) when S moves by t, a difference of the same sums is invariant, a detached copy
+    moves with its value, and a sum S itself (a move, not a scaling) or one compared has none."""
+    S, T = scan(0, (var("m"), var("n"))), scan(1, (var("m"), var("n")))
+    z = call("sigmoid", call("to_f", var("n")))
+    assert scan_degree(call("exp", call("add", call("log", z), S)), 0) == 1.0
+    assert scan_degree(call("exp2", call("mul", S, const(-2.0))), 0) == pytest.approx(-2 * math.log(2))
+    assert scan_degree(call("sigmoid", call("sub", S, S)), 0) == 0.0
+    assert scan_degree(call("exp", call("stop", S)), 0) == 1.0
+    assert scan_degree(call("exp", T), 0) == 0.0 and scan_degree(call("exp", T), 1) == 1.0
+    assert scan_degree(S, 0) is None and scan_degree(call("exp", call("div", S, const(0.0))), 0) is None
+    assert scan_degree(call("where", call("gt", S, const(0.0)), call("exp", S), const(0.0)), 0) is None
 
 
 def test_a_cumsum_of_per_key_data_stays_a_load():

@@ -173,6 +173,12 @@ def _scaled(ch: tuple) -> float | None:
     return ch[1] if ch[0] == "mul" else None
 
 
+def _logged(ch: tuple, unit: float) -> tuple | None:
+    """log of c^d x moves by d ln c (log(0) = -inf stays)."""
+    d = _scaled(ch)
+    return None if d is None else ("add", 0.0 if d == ANY else d * unit)
+
+
 def _moves_sum(x: Expr, ch: list) -> tuple | None:
     if not any(c[0] == "add" for c in ch) or any(_moved(c) is None for c in ch):
         return None
@@ -184,7 +190,7 @@ def _moves_scaled(x: Expr, ch: list) -> tuple | None:
     """A move times (or over) a constant."""
     k = [_const(a) for a in x.args]
     for i in (0, 1) if x.op == "mul" else (0,):
-        if ch[i][0] == "add" and k[1 - i] is not None:
+        if ch[i][0] == "add" and k[1 - i] is not None and (x.op == "mul" or k[1 - i] != 0):
             return "add", ch[i][1] * k[1 - i] if x.op == "mul" else ch[i][1] / k[1 - i]
     return None
 
@@ -192,20 +198,21 @@ def _moves_scaled(x: Expr, ch: list) -> tuple | None:
 MOVES: dict[str, Callable[[Expr, list], tuple | None]] = {
     "exp": lambda x, ch: None if _moved(ch[0]) is None else ("mul", _moved(ch[0])),
     "exp2": lambda x, ch: None if _moved(ch[0]) is None else ("mul", _moved(ch[0]) * LN2),
-    "log": lambda x, ch: None if _scaled(ch[0]) is None else ("add", _scaled(ch[0])),
-    "log2": lambda x, ch: None if _scaled(ch[0]) is None else ("add", _scaled(ch[0]) / LN2),
+    "log": lambda x, ch: _logged(ch[0], 1.0),
+    "log2": lambda x, ch: _logged(ch[0], 1 / LN2),
     "add": _moves_sum, "sub": _moves_sum, "neg": _moves_sum,
     "mul": _moves_scaled, "div": _moves_scaled,
 }
 
 
 def degree(e: Expr, group: set[int] | dict[int, float | None], shift: int | None = None,
-           base2: bool = False) -> float | None:
+           base2: bool = False, scan: int | None = None) -> float | None:
     """The degree of ``e`` in the sums ``group`` (a set: each of degree 1; a dict: each of its
     degree, None for one that does not scale): 0 where it is invariant (a move of 0 too), None
     where it neither scales nor stays. ``shift``: the max of the group, which moves by -ln c
     (-log2 c in ``base2`` units). A constant 0 is of any degree (``ANY``); ops without a row
-    are of degree 0 when their arguments are (sigmoid(a/l))."""
+    are of degree 0 when their arguments are (sigmoid(a/l)). ``scan``: a scan whose partial sums
+    move by ln c instead (``scan_degree``)."""
     memo: dict[Expr, tuple | None] = {}
     for x in walk(e):
         if x.op == "red":
@@ -217,8 +224,11 @@ def degree(e: Expr, group: set[int] | dict[int, float | None], shift: int | None
         if is_zero(x):
             memo[x] = ("mul", ANY)
             continue
-        if x.op == "stop":      # detach(): a constant to the gradient, which is what degree decides
-            memo[x] = ("mul", 0.0)
+        if x.op == "scan" and x.args[0] == scan:
+            memo[x] = ("add", 1.0)
+            continue
+        if x.op == "stop":      # detach(): a constant to the gradient, which a shift's degree is
+            memo[x] = ("mul", 0.0) if scan is None else memo[x.args[0]]     # about; a scan's: values
             continue
         ch = [memo[a] for a in x.args if isinstance(a, Expr)] if x.op != "load" else []
         if any(c is None for c in ch):
@@ -279,52 +289,9 @@ def shift_gradients(region: "Region") -> list[int]:
     return found
 
 
-def _scan_move(e: Expr, j: int) -> float | None:
-    """a with e(S + t) = e(S) + a t, S scan j's partial sums (0: e does not read them), or None."""
-    if j not in refs(e, "scan"):
-        return 0.0
-    if e.op == "scan":
-        return 1.0
-    moves = [_scan_move(a, j) if isinstance(a, Expr) else None for a in e.args]
-    if e.op in ("add", "sub") and None not in moves:
-        return moves[0] + moves[1] if e.op == "add" else moves[0] - moves[1]
-    if e.op in ("neg", "to_f") and moves[0] is not None:
-        return -moves[0] if e.op == "neg" else moves[0]
-    if e.op in ("mul", "div"):
-        k = [_const(a) for a in e.args]
-        for i in (0, 1) if e.op == "mul" else (0,):
-            if moves[i] is not None and k[1 - i] is not None:
-                return moves[i] * k[1 - i] if e.op == "mul" else moves[i] / k[1 - i]
-    if e.op == "where" and moves[0] == 0 and moves[1] is not None and moves[1] == moves[2]:
-        return moves[1]
-    return None
-
-
 def scan_degree(e: Expr, j: int) -> float | None:
     """d with e(S + t) = exp(d t) e(S) for every t, S scan j's partial sums (0: e does not read
     them), or None. A split of the keys computes its partial sums from 0; the keys of the other
     splits add a row constant C to them, so a sum of such an e is exp(d C) times the split's
     (stick-breaking's exp(log z + S) @ v: d = 1; ``codegen.split``)."""
-    if j not in refs(e, "scan"):
-        return 0.0
-    args = [a for a in e.args if isinstance(a, Expr)]
-    if e.op in ("exp", "exp2"):
-        m = _scan_move(args[0], j)
-        return None if m is None else m * (LN2 if e.op == "exp2" else 1.0)
-    if e.op == "where":
-        if j in refs(args[0], "scan"):
-            return None
-        live = [scan_degree(a, j) for a in args[1:] if not is_zero(a)]     # a zero branch: any degree
-        return live[0] if live and None not in live and len(set(live)) == 1 else None
-    ds = [scan_degree(a, j) for a in args]
-    if None in ds:
-        return None
-    if e.op == "mul":
-        return ds[0] + ds[1]
-    if e.op in ("div", "div_safe"):
-        return ds[0] - ds[1]
-    if e.op in ("add", "sub", "maximum", "minimum") and ds[0] == ds[1]:
-        return ds[0]
-    if e.op in ("neg", "to_f", "relu", "abs"):
-        return ds[0]
-    return None
+    return degree(e, set(), scan=j) if j in refs(e, "scan") else 0.0
