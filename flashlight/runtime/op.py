@@ -304,7 +304,7 @@ class CompiledRegion:
             disk = TuningCache(self.path.parent, self.name if kernel == "fwd" else f"{self.bwd_name}_{kernel}")
             cfg = disk.load().get(key)
             default = self.default_config(kernel)
-            if cfg is None and self.max_autotune and kernel != "sums":    # (it updates its input in place)
+            if cfg is None and self.max_autotune:
                 space = candidates(block_d, len(r.dots), r.M) if kernel == "fwd" else backward_candidates(block_d, kernel)
                 cfg = self.autotune(tune or (lambda c: self.launch(inputs, c, gluon_ok=False)), space, default)
                 disk.store(key, cfg)
@@ -319,7 +319,7 @@ class CompiledRegion:
         r = self.region
         block_d = max(head_block(r.DK), head_block(r.DV))
         return heuristic(block_d, len(r.dots), self.sparse, r.M) if kernel == "fwd" else \
-            fit_rows(backward_heuristic(block_d, "dq" if kernel == "sums" else kernel, self.sparse, len(r.dots),
+            fit_rows(backward_heuristic(block_d, kernel, self.sparse, len(r.dots),
                                         self.loaded_rows, self.body_loads, any(rd.scan for rd in r.reductions)), r.M)
 
     def autotune(self, launch, configs: list[Config], default: Config) -> Config:
@@ -372,8 +372,9 @@ class CompiledRegion:
                               row_grads or ())
         if k.sums is not None and tiles:        # the row gradients of sums a later pass reads
             self.prefetched("sums")
-            self.fitting(inputs, lambda cfg: k.launch_tile("sums", inputs, rowstats, drows, bufs, block_stats, cfg),
-                         "sums")
+            sums = functools.partial(k.launch_tile, "sums")
+            self.fitting(inputs, lambda cfg: sums(inputs, rowstats, drows, bufs, block_stats, cfg), "sums",
+                         tune=lambda cfg: tuned_run(k, "sums", sums, inputs, rowstats, drows, block_stats, cfg))
         for kernel, launch in (("dkdv", k.launch_dkdv), ("dq", k.launch_dq)):
             self.prefetched(kernel)
             if kernel not in tiles:
@@ -486,11 +487,13 @@ def tensors_in(result) -> list[torch.Tensor]:
 
 def tuned_run(k: BackwardKernels, kernel: str, run, inputs: list[torch.Tensor], rowstats: torch.Tensor, drows,
               block_stats: dict, cfg: Config) -> list[torch.Tensor]:
-    """One backward tile kernel (``kernel``: ``"dkdv"`` or ``"dq"``, launched by ``run``) into
-    buffers of its own, for timing configs: the gradients it wrote."""
+    """One backward tile kernel (``kernel``: ``"dkdv"``, ``"dq"`` or ``"sums"``, launched by
+    ``run``) into buffers of its own, for timing configs: the gradients it wrote. The sums
+    kernel adds into the row gradients: it runs on a copy of them, which it returns."""
     bufs = k.buffers(inputs, kernel)
-    run(inputs, rowstats, drows, bufs, block_stats, cfg)
-    return [bufs[i] for i in k.plan.written(kernel)]
+    drow = drows[0].clone() if kernel == "sums" else drows[0]
+    run(inputs, rowstats, (drow, *drows[1:]), bufs, block_stats, cfg)
+    return [bufs[i] for i in k.plan.written(kernel)] + ([drow] if kernel == "sums" else [])
 
 
 TUNE_AGREEMENT = 2e-2      # per element, relative to |reference| + its tensor's RMS

@@ -117,10 +117,11 @@ BACKWARD = {
     "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 4, 3), (64, 32, 4, 2), (128, 128, 8, 2),
            (128, 32, 4, 5), (64, 64, 4, 5), (64, 32, 4, 4)],
 }
+BACKWARD["sums"] = BACKWARD["dq"]   # the sums a later pass reads: a walk over the keys per query block, as dQ's
 
 
 def backward_candidates(block_d: int, kernel: str) -> list[Config]:
-    """The autotuning space of a backward kernel (``"dkdv"`` or ``"dq"``), pruned by head dim:
+    """The autotuning space of a backward kernel (``"dkdv"``, ``"dq"`` or ``"sums"``), pruned by head dim:
     a 128-wide head drops 128 x 128 tiles, a 256-wide one keeps tiles of at most 32 x 64 / 64 x 32."""
     limit = 32 * 64 if block_d >= 256 else 128 * 64 if block_d >= 128 else 128 * 128
     return [Config(*c) for c in BACKWARD[kernel] if c[0] * c[1] <= limit]
@@ -156,7 +157,9 @@ def backward_heuristic(block_d: int, kernel: str, sparse: bool = False, n_dots: 
     Partial sums over the keys (``scans``: the dQ kernel also adds dK and dV per tile): 32 x 64
     w4 s2 at D <= 64, 32 x 32 at D = 128 — not measured on a GPU yet; the smallest tiles that
     offline sm_90 compiles of stick-breaking keep out of local memory (8 bytes and none spilled,
-    against 2.5 KB at 64 x 64 and 0.9 KB for 32 x 64 at D = 128)."""
+    against 2.5 KB at 64 x 64 and 0.9 KB for 32 x 64 at D = 128).
+    The sums kernel (``codegen.backward.SumsWriter``) takes dQ's: not measured on a GPU yet."""
+    kernel = "dq" if kernel == "sums" else kernel
     if scans and kernel == "dq" and block_d <= 128:
         return Config(32, 64, 4, 2) if block_d <= 64 else Config(32, 32, 4, 2)
     if body_loads > HEAVY_BODY and block_d <= 128:
