@@ -45,6 +45,28 @@ def alibi(q, k, v):
     return torch.softmax(s.masked_fill(kv_idx > q_pos, float("-inf")), dim=-1).to(v.dtype) @ v   # fp32 scores
 
 
+def threshold(q, k, v):
+    """Thresholded attention renormalised (``flashlight.examples.threshold``): two passes over
+    the cache, split pass by pass (``codegen.split``); neither FlexAttention nor SDPA expresses it."""
+    H, D = q.shape[1], q.shape[-1]
+    k, v = _expand_kv(k, H), _expand_kv(v, H)
+    q_pos, kv_idx = _positions(q, k)
+    s = (q @ k.transpose(-2, -1)) * D ** -0.5
+    p = torch.relu(torch.softmax(s.masked_fill(kv_idx > q_pos, float("-inf")), dim=-1) - 0.5 / k.shape[-2])
+    return (p / p.sum(-1, keepdim=True)) @ v
+
+
+def softpick(q, k, v):
+    """Softpick (``flashlight.examples.softpick``): two passes, and a max whose argmax the
+    combine merges across splits."""
+    from flashlight.examples.softpick import softpick as rectified
+    H, D = q.shape[1], q.shape[-1]
+    k, v = _expand_kv(k, H), _expand_kv(v, H)
+    q_pos, kv_idx = _positions(q, k)
+    s = (q @ k.transpose(-2, -1)) * D ** -0.5
+    return rectified(s.masked_fill(kv_idx > q_pos, float("-inf"))) @ v
+
+
 def make_inputs(B=8, H=32, M=1, N=4096, D=128, dtype=torch.float32, device="cpu", kv_heads=KV_HEADS):
     kv_heads = min(kv_heads, H)
     q = torch.randn(B, H, M, D, dtype=dtype, device=device)

@@ -122,6 +122,8 @@ PROGRAMS: dict[str, Program] = {
                              sdpa=lambda xs: decode.sdpa_call("decode_causal", xs)),
     "decode_alibi": Program(fn=decode.alibi, make=decode.make_inputs, flex=decode.flex_alibi,
                             sdpa=lambda xs: decode.sdpa_call("decode_alibi", xs)),
+    "decode_threshold": Program(fn=decode.threshold, make=decode.make_inputs),
+    "decode_softpick": Program(fn=decode.softpick, make=decode.make_inputs),
 }
 
 
@@ -168,7 +170,8 @@ TRAINING_VARIANTS = [("causal", "causal", ()), ("alibi", "alibi", ()), ("documen
                      ("gqa_4", "gqa", (("group", 4),)),     # K/V heads shared: the dK/dV group loop
                      ("rope", "rope", ()),
                      ("rope_gqa_4", "rope", (("group", 4),))]     # Llama: RoPE, then K/V repeated
-DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_alibi")]
+DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_alibi"),
+                   ("decode_threshold", "decode_threshold"), ("decode_softpick", "decode_softpick")]   # two passes
 
 FLEX_BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "inductor")
 SPARSITY_BACKENDS = ("flashlight", "flex", "flex_mask")

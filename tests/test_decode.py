@@ -5,10 +5,12 @@ import pytest
 import torch
 
 import flashlight
-from flashlight.examples import decode_gqa, paged_decode, relu_attention
+from flashlight.examples import decode_gqa, paged_decode, relu_attention, softpick, threshold
 from flashlight.runtime import decode
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import reference, rel_error, to64
+
+import test_chained
 
 
 def padded_with_lse(q, k, v, lens):
@@ -72,19 +74,70 @@ def test_fully_masked_rows_and_logsumexp(splits):
     assert rel_error(lse[fin], ref_lse[fin]) < 1e-4
 
 
-def test_multi_pass_regions_keep_the_one_kernel_forward(splits):
-    """A hand-written softmax whose normaliser is not online needs two passes: no split."""
-    def two_pass(q, k, v):
-        s = q @ k.mT
-        p = torch.exp(s - s.amax(-1, keepdim=True))
-        return (p / p.sum(-1, keepdim=True)).square() @ v
-    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
-    report = flashlight.explain(two_pass, q, k, v)
-    assert "2-pass" in report.regions[0].features
-    c = REGISTRY[report.regions[0].key]
-    out = torch.compile(two_pass, backend="flashlight")(q, k, v)
-    assert c.split is False
-    assert rel_error(out, reference(two_pass, q, k, v)) < 1e-4
+def _two_pass(q, k, v):
+    """A hand-written softmax whose normaliser is not online (squared): two passes."""
+    s = q @ k.mT
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return (p / p.sum(-1, keepdim=True)).square() @ v
+
+
+def _padded_threshold(q, k, v, lens):
+    """Thresholded and renormalised, per-sequence cache lengths (0: every key masked)."""
+    s = q @ k.mT * q.shape[-1] ** -0.5
+    s = s.masked_fill(torch.arange(k.shape[2]) >= lens[:, None, None, None], float("-inf"))
+    p = torch.relu(torch.softmax(s, -1) - 0.5 / k.shape[-2])
+    return (p / p.sum(-1, keepdim=True).clamp_min(1e-6)) @ v
+
+
+def _eps_softmax(q, k, v):
+    """An epsilon in the denominator: the output depends on the max, whose gradient reaches the
+    score at its argmax."""
+    s = q @ k.mT * q.shape[-1] ** -0.5
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return e / (e.sum(-1, keepdim=True) + 0.5) @ v
+
+
+def _max_read_back(q, k, v):
+    s = q @ k.mT * q.shape[-1] ** -0.5
+    return torch.softmax(s, -1) @ v + 0.5 * s.amax(-1, keepdim=True)
+
+
+MULTI_PASS = {"two_pass": (_two_pass, "2-pass"), "threshold": (threshold.attention, "2-pass"),
+              "softpick": (softpick.attention, "shift-gradient"),
+              "twice": (test_chained.twice, "3-pass"), "adaptive": (test_chained.adaptive_temperature, "3-pass"),
+              "eps_softmax": (_eps_softmax, "shift-gradient"), "max_read_back": (_max_read_back, "shift-gradient")}
+
+
+@pytest.mark.parametrize("name", list(MULTI_PASS))
+def test_multi_pass_and_shift_gradient_regions_split(splits, name):
+    """A split and a combine kernel per pass, each pass reading the earlier ones' final values
+    from the workspace: the output of float64 eager. A max that takes a gradient (an epsilon,
+    a max read back, softpick) has its argmax merged by the combine (the first split holding
+    the max): the generated backward after a split forward has float64's gradients."""
+    from helpers import check_grads
+    fn, feature = MULTI_PASS[name]
+    q, k, v = torch.randn(1, 2, 3, 16) * 2, torch.randn(1, 2, 301, 16), torch.randn(1, 2, 301, 16)
+    out, report = run_split(fn, q, k, v)
+    assert feature in report.regions[0].features
+    assert rel_error(out, reference(fn, q, k, v)) < 1e-4
+    if feature == "shift-gradient" or name == "threshold":
+        check_grads(fn, [x.clone().requires_grad_() for x in (q, k, v)])
+
+
+def test_multi_pass_gqa_rows_without_keys_and_row_outputs(splits):
+    """Packed GQA heads, a sequence whose every key is masked (0 out) and an entropy returned
+    beside the output, through three passes' splits."""
+    fn = _padded_threshold
+    q, k, v = torch.randn(3, 4, 1, 16) * 2, torch.randn(3, 2, 333, 16), torch.randn(3, 2, 333, 16)
+    gqa = lambda q, k, v, lens: fn(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), lens)  # noqa: E731
+    lens = torch.tensor([333, 0, 100])
+    out, report = run_split(gqa, q, k, v, lens)
+    assert REGISTRY[report.regions[0].key].split.group == 2 and "2-pass" in report.regions[0].features
+    assert torch.all(out[1] == 0)
+    assert rel_error(out, reference(gqa, q, k, v, lens)) < 1e-4
+    (out, ent), _ = run_split(test_chained.entropy, q[:, :2], k, v)
+    ref_out, ref_ent = test_chained.entropy(*(to64(x) for x in (q[:, :2], k, v)))
+    assert rel_error(out, ref_out) < 1e-4 and rel_error(ent, ref_ent) < 1e-4
 
 
 @pytest.mark.parametrize("M,N,programs,sms,expect", [

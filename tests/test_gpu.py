@@ -249,6 +249,35 @@ def test_split_kv_decoding_with_key_padding():
     assert rel_error(out, ref) < FWD_TOL
 
 
+@pytest.mark.parametrize("name", ["decode_threshold", "decode_softpick"])
+def test_split_kv_decoding_of_two_pass_programs(name):
+    """Thresholded attention and softpick decoding one query per head against 8192 cached keys
+    (GQA 32/8): the heuristic splits the keys (132 SMs, 32 packed programs), a split and a
+    combine kernel per pass; softpick's argmax merged by its first combine. Against float64, and
+    the gradients of the generated backward after the split forward."""
+    from benchmarks import decode
+    from flashlight.runtime import decode as split_kv
+    fn = getattr(decode, name.removeprefix("decode_"))
+    torch.manual_seed(0)
+    q, k, v = [x.cuda().to(torch.bfloat16) for x in decode.make_inputs(B=2, H=32, M=1, N=8192, D=128)]
+    q = q * 2       # peaked rows: keys above the threshold
+    r = flashlight.explain(fn, q, k, v).regions[0]
+    c = REGISTRY[r.key]
+    assert "2-pass" in r.features and split_kv.may_split(c.region, q.device)
+    out = torch.compile(fn, backend="flashlight")(q, k, v)
+    assert c.split and c.split.launches > 0 and len(c.split.kernels) == 2
+    ref = fn(*(to64(x) for x in (q, k, v)))
+    assert rel_error(out, ref) < FWD_TOL
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = torch.compile(fn, backend="flashlight")(*leaves)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [to64(x).requires_grad_() for x in leaves]
+    want = torch.autograd.grad(fn(*ref_leaves), ref_leaves, to64(dout))
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < GRAD_TOL
+
+
 GLUON_CASES = [("vanilla", 128, {}), ("causal", 64, {}), ("causal", 128, {}), ("sliding_window", 128, {}),
                ("prefix_lm", 64, {}), ("document_mask", 128, {}), ("alibi", 128, {}), ("softcap", 64, {}),
                ("gqa", 128, {}), ("gated", 64, {}), ("key_padding", 64, {"lengths": [0, 300]}),

@@ -12,7 +12,16 @@ as the one-kernel forward does::
     r   = sum_s r_s                                    (sums without a max)
 
 which is the flash-attention recurrence applied once more, across splits instead of key blocks.
-Only regions whose reductions all run in one pass can be split (``splittable``).
+A max whose argmax the backward reads (``shift_gradients``) keeps the argmax of the first split
+holding the merged max (splits in key order, keys within a split first to last: the first key
+of the maximum, as the one-kernel forward keeps).
+
+Several passes over N (a softmax's sum read by a later pass: thresholded and renormalised
+probabilities, softpick): a split and a combine kernel per pass, launched in turn. Pass p's split
+kernel reads the earlier passes' final values, which their combine kernels stored in the
+workspace's last row block ``ws[SPLITS, batch, m, column]``, and walks its keys for pass p's
+reductions alone; the last pass's combine loads them too and runs the epilogue (a P @ V product
+of an earlier pass, stored DV wide, is read there only).
 
 Partial sums over the keys (scans): each split computes them from 0 over its own keys; the keys
 of the other splits (after it, for a suffix scan) add the row constant C_s = sum of their
@@ -37,12 +46,12 @@ SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
 
 
 def splittable(region: Region) -> bool:
-    """One pass over N, and the output in the tile's own layout (a permuted store's index is not
-    rewritten by ``pack_heads`` and the runtime views the output as (*batch, M, DV)); no max that
-    takes a gradient (its argmax is not merged across splits); partial sums over the keys only
-    where each split's sums reading them are merged by a factor (``scan_factors``)."""
-    return len(region.passes()) == 1 and region.out_index is None and not shift_gradients(region) \
-        and scan_factors(region) is not None
+    """The output in the tile's own layout (a permuted store's index is not rewritten by
+    ``pack_heads`` and the runtime views the output as (*batch, M, DV)); partial sums over the
+    keys only in one pass, and where each split's sums reading them are merged by a factor
+    (``scan_factors``)."""
+    scans = any(rd.scan for rd in region.reductions)
+    return region.out_index is None and scan_factors(region) is not None and not (scans and len(region.passes()) > 1)
 
 
 def scan_factors(region: Region) -> dict[int, tuple[int, float]] | None:
@@ -104,14 +113,21 @@ def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
     return verify(packed), G
 
 
-def columns(region: Region) -> tuple[list[str], str]:
-    """Scratch column of each reduction's state (1 for a max or sum, DV for P @ V) and the
-    row width, as Triton expressions over the DV constexpr."""
+def columns(region: Region) -> tuple[list[str], dict[int, str], str]:
+    """Scratch column of each reduction's state (1 for a max or sum, DV for P @ V), of each
+    saved argmax (``argmax_columns``' maxima), and the row width, as Triton expressions over
+    the DV constexpr."""
     cols, scalars, dots = [], 0, 0
     for red in region.reductions:
         cols.append(f"{scalars} + {dots} * DV")
         scalars, dots = scalars + (red.kind != "dot"), dots + (red.kind == "dot")
-    return cols, f"{scalars} + {dots} * DV"
+    at = {j: f"{scalars + i} + {dots} * DV" for i, j in enumerate(shift_gradients(region))}
+    return cols, at, f"{scalars + len(at)} + {dots} * DV"
+
+
+def width(region: Region) -> int:
+    """The workspace row's width in elements (``columns``' at this DV)."""
+    return sum(region.DV if red.kind == "dot" else 1 for red in region.reductions) + len(shift_gradients(region))
 
 
 def _ws_row(split: str) -> str:
@@ -119,12 +135,21 @@ def _ws_row(split: str) -> str:
     return f"(({split} * NUM_B + pid_b) * M + offs_m[:, None]) * WS_C"
 
 
+FINAL = _ws_row("SPLITS")      # the earlier passes' final values: the workspace's last row block
+
+
 class SplitWriter(KernelWriter):
-    """The forward kernel restricted to one split of the key blocks, storing raw states. Its
-    loads stay pointer loads: the combine kernel takes the same argument list and has none to
-    make (a TMA constexpr would be the split's alone)."""
+    """Pass ``p`` of the forward kernel restricted to one split of the key blocks, storing raw
+    states. Its loads stay pointer loads: the combine kernel takes the same argument list and
+    has none to make (a TMA constexpr would be the split's alone)."""
     split_dv = False
     bulk_loads = False
+
+    def __init__(self, region: Region, name: str, p: int, allow_tf32: bool = False, interpret: bool = False):
+        super().__init__(region, name, allow_tf32, interpret)
+        passes = region.passes()
+        self.members, self.earlier = passes[p], [j for members in passes[:p] for j in members]
+        self.last = p == len(passes) - 1
 
     def signature(self) -> list[str]:
         args = super().signature()
@@ -141,7 +166,29 @@ class SplitWriter(KernelWriter):
 
     def prologue(self) -> None:
         KernelWriter.prologue(self)
-        self.outer.lines += ["NUM_B = tl.num_programs(1)", f"WS_C = {columns(self.r)[1]}"]
+        self.outer.lines += ["NUM_B = tl.num_programs(1)", f"WS_C = {columns(self.r)[2]}"]
+
+    def load_earlier(self, dots: bool = False) -> None:
+        """The earlier passes' final values (a max as the shift its bodies used), under the
+        names the bodies and the epilogue read; P @ V products (which no body reads) with
+        ``dots``, for the epilogue."""
+        cols, at, _ = columns(self.r)
+        for j in self.earlier:
+            if self.r.reductions[j].kind == "dot":
+                if dots:
+                    self.outer.lines.append(f"r{j} = tl.load(ws_ptr + {FINAL} + {cols[j]} + offs_dv[None, :], "
+                                            f"mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
+                continue
+            self.outer.lines.append(f"r{j} = tl.load(ws_ptr + {FINAL} + {cols[j]}, mask=mask_m[:, None], other=0.0)")
+            self.em.red_names[j] = f"r{j}"
+            if j in at:
+                self.outer.lines.append(f"r{j}_at = tl.load(ws_ptr + {FINAL} + {at[j]}, mask=mask_m[:, None], "
+                                        f"other=-1.0).to(tl.int32)")
+
+    def passes(self) -> None:
+        self.load_earlier()
+        self.outer.lines.append(f"# reductions {self.members} over this split's keys")
+        self.write_pass(self.members)
 
     def split_range(self) -> None:
         self.outer.lines += [
@@ -151,36 +198,48 @@ class SplitWriter(KernelWriter):
         ]
 
     def epilogue(self) -> None:
-        cols, _ = columns(self.r)
-        row = _ws_row("pid_s")
         self.outer.lines.append("# raw states of this split; the combine kernel merges them")
-        for j, red in enumerate(self.r.reductions):
-            if red.kind == "dot":
-                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]} + offs_dv[None, :], r{j}, "
+        self.store_states(self.members, _ws_row("pid_s"), lambda j: f"r{j}")
+
+    def store_states(self, js: list[int], row: str, name) -> None:
+        """Store reductions ``js`` (``name(j)``: the value's name) and their argmaxes at ``row``."""
+        cols, at, _ = columns(self.r)
+        for j in js:
+            if self.r.reductions[j].kind == "dot":
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]} + offs_dv[None, :], {name(j)}, "
                                         f"mask=mask_m[:, None] & mask_dv[None, :])")
             else:
-                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]}, r{j}, mask=mask_m[:, None])")
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]}, {name(j)}, mask=mask_m[:, None])")
+            if j in at:
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {at[j]}, r{j}_at.to(tl.float32), mask=mask_m[:, None])")
 
 
 class CombineWriter(SplitWriter):
-    """Merges the splits' states and runs the region's epilogue."""
+    """Merges the splits' states of its pass; stores the final values for the later passes, or
+    (the last pass) runs the region's epilogue."""
 
     def passes(self) -> None:
         r, lines = self.r, self.outer.lines
-        cols, _ = columns(r)
+        cols, at, _ = columns(r)
         row = _ws_row("s")
-        maxes = [j for j, red in enumerate(r.reductions) if red.kind == "max"]
-        others = [j for j, red in enumerate(r.reductions) if red.kind != "max"]
+        self.load_earlier(dots=self.last)
+        maxes = [j for j in self.members if r.reductions[j].kind == "max"]
+        others = [j for j in self.members if r.reductions[j].kind != "max"]
         lines += [f"r{j} = tl.full([BLOCK_M, 1], {NEG_INF}, tl.float32)" for j in maxes]
+        lines += [f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)" for j in maxes if j in at]
         lines += ["for s in range(0, SPLITS):"] if maxes else []
-        lines += [f"    r{j} = tl.maximum(r{j}, tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
-                  f"other={NEG_INF}))" for j in maxes]
+        for j in maxes:
+            lines.append(f"    m{j} = tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], other={NEG_INF})")
+            if j in at:     # the first split holding the max: splits walk the keys in order
+                lines.append(f"    r{j}_at = tl.where(m{j} > r{j}, tl.load(ws_ptr + {row} + {at[j]}, "
+                             f"mask=mask_m[:, None], other=-1.0).to(tl.int32), r{j}_at)")
+            lines.append(f"    r{j} = tl.maximum(r{j}, m{j})")
         lines += [f"r{j}_safe = tl.where(r{j} == {NEG_INF}, 0.0, r{j})" for j in maxes]
-        for j, red in enumerate(r.reductions):     # what store_rowstats reads (as after a pass)
-            self.em.red_names[j] = f"r{j}_safe" if red.kind == "max" else f"r{j}"
+        for j in self.members:     # what store_rowstats reads (as after a pass)
+            self.em.red_names[j] = f"r{j}_safe" if r.reductions[j].kind == "max" else f"r{j}"
         for j in others:
-            width = "BLOCK_DV" if r.reductions[j].kind == "dot" else "1"
-            lines.append(f"r{j} = tl.zeros([BLOCK_M, {width}], tl.float32)")
+            w = "BLOCK_DV" if r.reductions[j].kind == "dot" else "1"
+            lines.append(f"r{j} = tl.zeros([BLOCK_M, {w}], tl.float32)")
         factors = scan_factors(r)
         scans = sorted({p for p, _ in factors.values()})
         if scans:       # the splits in the scan's order: C_s sums the totals of the splits passed
@@ -188,7 +247,7 @@ class CombineWriter(SplitWriter):
             lines += [f"cs{p} = tl.zeros([BLOCK_M, 1], tl.float32)  # red{p}'s total over the splits passed"
                       for p in scans]
             lines += ["for i in range(0, SPLITS):", f"    s = {'SPLITS - 1 - i' if suffix else 'i'}"]
-        else:
+        elif others:
             lines.append("for s in range(0, SPLITS):")
         online = sorted({r.reductions[j].online for j in others} - {None})
         lines += [f"    alpha{j} = {'tl.exp2' if r.reductions[j].base2 else 'tl.exp'}(tl.load(ws_ptr + {row} + {cols[j]}, mask=mask_m[:, None], "
@@ -206,22 +265,30 @@ class CombineWriter(SplitWriter):
         lines += [f"    cs{p} += tl.load(ws_ptr + {row} + {cols[p]}, mask=mask_m[:, None], other=0.0)" for p in scans]
 
     def epilogue(self) -> None:
-        KernelWriter.epilogue(self)
+        if self.last:
+            KernelWriter.epilogue(self)
+        else:
+            self.outer.lines.append("# final values of this pass, for the later passes")
+            self.store_states(self.members, FINAL, lambda j: self.em.red_names[j])
 
 
 def generate_split(region: Region, name: str, allow_tf32: bool = False,
-                   interpret: bool = False) -> tuple[str, list]:
-    """Source of ``{name}_split`` and ``{name}_combine`` (same arguments) and the split kernel's
-    block statistics."""
-    split = SplitWriter(region, f"{name}_split", allow_tf32, interpret)
-    split.prologue()
-    split.split_range()
-    split.passes()
-    split.epilogue()
-    combine = CombineWriter(region, f"{name}_combine", allow_tf32, interpret)
-    combine.stats = split.stats          # same signature: the runtime passes one argument list
-    combine.prologue()
-    combine.passes()
-    combine.epilogue()
-    source = f"{split.assemble()}\n\n{combine.assemble()}"
-    return prelude(source) + source, split.stats
+                   interpret: bool = False) -> tuple[str, list[list]]:
+    """Source of ``{name}_split{p}`` and ``{name}_combine{p}`` for each pass p (a pair of the
+    same arguments) and each pair's block statistics."""
+    kernels, stats = [], []
+    for p in range(len(region.passes())):
+        split = SplitWriter(region, f"{name}_split{p}", p, allow_tf32, interpret)
+        split.prologue()
+        split.split_range()
+        split.passes()
+        split.epilogue()
+        combine = CombineWriter(region, f"{name}_combine{p}", p, allow_tf32, interpret)
+        combine.stats = split.stats          # same signature: the runtime passes one argument list
+        combine.prologue()
+        combine.passes()
+        combine.epilogue()
+        kernels += [split.assemble(), combine.assemble()]
+        stats.append(split.stats)
+    source = "\n\n".join(kernels)
+    return prelude(source) + source, stats

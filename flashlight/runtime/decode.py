@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .._compat import fast_launch
-from ..codegen.split import generate_split, pack_heads, splittable
+from ..codegen.split import generate_split, pack_heads, splittable, width
 from ..tune import cdiv
 from .buffers import unwritten
 from .cache import load_module, source_hash
@@ -78,13 +78,12 @@ class LaunchPlan(NamedTuple):
 
 @dataclass
 class SplitKernels:
-    """The split and combine kernels of a region, generated for ``region``: the original one, or
-    with grouped query heads packed into rows (``group`` > 1, see ``codegen.split.pack_heads``)."""
+    """The split and combine kernels of each pass of a region, generated for ``region``: the
+    original one, or with grouped query heads packed into rows (``group`` > 1, see
+    ``codegen.split.pack_heads``). ``kernels``: (split, combine, block statistics) per pass."""
     region: object
     group: int
-    split: object
-    combine: object
-    stats: list
+    kernels: list
     source: str
     launches: int = 0
     plans: dict = field(default_factory=dict)     # (config, stats, device, FORCE_SPLITS) -> LaunchPlan | None
@@ -105,9 +104,10 @@ class SplitKernels:
         ws = unwritten(torch.empty(p.workspace, dtype=torch.float32, device=device))
         if stats:
             rowstats = rowstats.view(*p.row_shape, rowstats.shape[-1])     # packed rows: same memory order
-        args = [*op.kernel_args(r, self.stats, inputs, views, rowstats, block_stats), ws, p.splits, p.per]
-        self.split[p.split_grid](*args, **p.meta)
-        self.combine[p.combine_grid](*args, **p.meta)
+        for split, combine, stats_ in self.kernels:      # pass by pass: each reads the earlier ones' finals
+            args = [*op.kernel_args(r, stats_, inputs, views, rowstats, block_stats), ws, p.splits, p.per]
+            split[p.split_grid](*args, **p.meta)
+            combine[p.combine_grid](*args, **p.meta)
         self.launches += 1
         return True
 
@@ -118,15 +118,15 @@ class SplitKernels:
         splits, per = plan(r.M, r.N, grid_m * programs_b, cfg.BLOCK_N, sm_count(device))
         if splits == 1:
             return None
-        width = sum(1 if red.kind != "dot" else r.DV for red in r.reductions)
+        finals = len(self.kernels) > 1      # a row block more: the earlier passes' final values
         return LaunchPlan(splits, per, (grid_m, programs_b, splits), (grid_m, programs_b),
-                          (splits, programs_b, r.M, width), (*r.batch, r.M, r.DV), (*r.batch, r.M),
+                          (splits + finals, programs_b, r.M, width(r)), (*r.batch, r.M, r.DV), (*r.batch, r.M),
                           op.launch_meta(r, cfg, stats))
 
 
 def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | None:
     """The split-KV kernels of a region, its query heads packed when they share K/V heads (None
-    when its reductions need several passes)."""
+    where ``splittable`` says no)."""
     if not splittable(region):
         return None
     region, group = pack_heads(region, MAX_M) or (region, 1)
@@ -135,9 +135,9 @@ def compile_split(region, allow_tf32: bool, interpret: bool) -> SplitKernels | N
     mod_name = f"fl_dec_{source_hash(source)}"
     source = source.replace(f"def {placeholder}_", f"def {mod_name}_")
     module, _ = load_module(mod_name, source)
-    return SplitKernels(region, group, fast_launch(getattr(module, f"{mod_name}_split"), interpret),
-                        fast_launch(getattr(module, f"{mod_name}_combine"), interpret),
-                        stats, source)
+    kernels = [(fast_launch(getattr(module, f"{mod_name}_split{p}"), interpret),
+                fast_launch(getattr(module, f"{mod_name}_combine{p}"), interpret), stats[p]) for p in range(len(stats))]
+    return SplitKernels(region, group, kernels, source)
 
 
 # at the end: op imports this module (a function-level import would cost ~1 µs on every launch)

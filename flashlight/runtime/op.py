@@ -281,7 +281,7 @@ class CompiledRegion:
         return q
 
     def split_kernels(self):
-        """The split-KV kernels (compiled at first use; None when the region needs several passes)."""
+        """The split-KV kernels (compiled at first use; None where the region cannot split, ``codegen.split.splittable``)."""
         if self.split is None:
             self.split = decode.compile_split(self.region, torch.backends.cuda.matmul.allow_tf32,
                                               interpreting()) or False
