@@ -378,7 +378,12 @@ def main(argv=None) -> int:
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--autocast", action="store_true", help="run each program under a bfloat16 autocast")
+    ap.add_argument("--splits", type=int, default=None,
+                    help="run every forward that can split its keys as that many split-KV splits (runtime.decode)")
     args = ap.parse_args(argv)
+    if args.splits:
+        from .runtime import decode
+        decode.FORCE_SPLITS = args.splits
     warnings.filterwarnings("ignore", category=RuntimeWarning)   # the interpreter's numpy overflow chatter
     bad, fused = 0, 0
     for i in range(args.count):

@@ -1,3 +1,5 @@
+# Session 33's plan (session 32: docs/notes.md "Session 32"): as session 32's below; S32 now also runs the GPU
+#   test of the multi-pass split-KV decode (session 32) and the decode suite's threshold and softpick rows.
 # Session 32's plan (session 31: docs/notes.md "Session 31"): leave kind out. First
 #   run(command="bash scripts/device_next.sh S32") (~6 min): the GPU tests of the scans and of session 31's
 #   sums kernel, benchmarks.chained and benchmarks.scans against Inductor. Then on an H200: F (#6), then
@@ -129,12 +131,17 @@ case "$1" in
 S32)  # session 31 (~6 min, no carry): the GPU tests of the scans (session 30's backward) and of the sums a later
     # pass reads (session 31's sums kernel), then benchmarks.chained (threshold, sqrt weights, causal for scale)
     # and benchmarks.scans, each against Inductor; the scans' old side (S31, .s30) if time is left
-  timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "scans or sums_read" > $OUT/test_gpu_s32.txt 2>&1
+    # (session 32 added: the multi-pass split-KV decode's GPU test, the decode suite's threshold and softpick rows)
+  timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "scans or sums_read or two_pass_programs" \
+    > $OUT/test_gpu_s32.txt 2>&1
   echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed|Error" $OUT/test_gpu_s32.txt | cut -c1-250 | head -12
   OUT=$OUT/chained timeout -k 5 150 python3 -m benchmarks.chained > $OUT/chained.txt 2>&1
   echo "chained rc $?"; grep -v "^W\|Warning" $OUT/chained.txt | cut -c1-250 | tail -4
   OUT=$OUT/scans timeout -k 5 120 python3 -m benchmarks.scans > $OUT/scans.txt 2>&1
   echo "scans rc $?"; grep -v "^W\|Warning" $OUT/scans.txt | cut -c1-250 | tail -3
+  timeout -k 5 120 python3 -m benchmarks.run --suite decode --only decode_threshold,decode_softpick,decode_causal \
+    --backends flashlight,inductor,eager --out $OUT/decode --no-plots > $OUT/decode.txt 2>&1
+  echo "decode rc $?"; grep -v "^W\|Warning" $OUT/decode.txt | cut -c1-200 | tail -7
   ;;
 S31)  # session 30 (~7 min; carry .s30 = git archive 39e9916, the reference VJP's side): the scans' GPU tests (the
     # generated backward: one dQ kernel walking the keys twice, dK and dV atomic; 2048-key rows against eager
