@@ -318,8 +318,10 @@ def check(p: Program, tol: float = 1e-3) -> tuple[bool, bool, str]:
     torch.compiler.reset()
     out = torch.compile(p.fn, backend="flashlight")(*p.args)
     ref = reference(p)
-    # rows where every key is masked by a finite fill: eager and flashlight both average
-    err = rel_error(out, ref)
+    # rows where every key is masked by a finite fill: eager and flashlight both average; with
+    # -inf, the reference's NaN is 0, as a fused region gives, and an unfused program is eager's
+    # own NaN there (seed 3202 #62)
+    err = rel_error(out if report.regions else out.nan_to_num(0.0), ref)
     msg = f"err={err:.2e}"
     ok = err < tol
     if ok and p.grads:

@@ -57,7 +57,7 @@ def triu_product(q, k, v):
     before it (a "forward" stick-breaking over the key order), a per-key gate loaded."""
     s = _logits(q, k)
     T = k.shape[-2]
-    before = torch.einsum("bhij,jk->bhik", torch.sigmoid(s) * 0.1, torch.ones(T, T, dtype=s.dtype).triu(1))
+    before = torch.einsum("bhij,jk->bhik", torch.sigmoid(s) * 0.1, torch.ones(T, T, dtype=s.dtype, device=s.device).triu(1))
     return torch.softmax(s - before, -1) @ v
 
 
