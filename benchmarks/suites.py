@@ -118,6 +118,7 @@ PROGRAMS: dict[str, Program] = {
     "rope": _example("rope", unbatched=(3, 4)),       # cos and sin tables: [N, D]
     # causal; the program's FLOPs (the kernel computes q @ k^T once per pass: two)
     "threshold": _example("threshold", mask=lambda b, h, m, n: n <= m),
+    "top_k": _example("top_k", mask=lambda b, h, m, n: n <= m),      # the program's causal FLOPs, as threshold's
     "decode_causal": Program(fn=decode.causal, make=decode.make_inputs, flex=decode.flex_causal,
                              sdpa=lambda xs: decode.sdpa_call("decode_causal", xs)),
     "decode_alibi": Program(fn=decode.alibi, make=decode.make_inputs, flex=decode.flex_alibi,
@@ -164,7 +165,7 @@ SPARSITY_VARIANTS = ["causal", "sliding_256", "prefix_lm_256", "document_12"]
 # gives today (Inductor builds the mask, SDPA reads it) against the fused program and Flex
 SDPA_VARIANTS = [("document_12_sdpa", "sdpa_document", ())]
 OTHER_BEYOND = [(n, n, ()) for n in ["gated", "hand_softmax", "relu_attention", "sigmoid_attention",
-                                      "relative_position", "rope", "threshold"]] + [("rope_gqa_4", "rope", (("group", 4),))]
+                                      "relative_position", "rope", "threshold", "top_k"]] + [("rope_gqa_4", "rope", (("group", 4),))]
 TRAINING_VARIANTS = [("causal", "causal", ()), ("alibi", "alibi", ()), ("document_12", "document_mask", ()),
                      ("diff_attention", "diff_attention", ()), ("diff_transformer", "diff_transformer", ()),
                      ("gqa_4", "gqa", (("group", 4),)),     # K/V heads shared: the dK/dV group loop

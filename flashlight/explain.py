@@ -47,6 +47,8 @@ def features(region: Region) -> list[str]:
         feats.add("sink")
     if any(r.scan for r in region.reductions):
         feats.add("key-scan")       # partial sums over the keys (stick-breaking)
+    if any(r.kind == "kth" for r in region.reductions):
+        feats.add("top-k")              # a row's k-th largest value (topk(...).values[..., -1:]) in the kernel
     if shift_gradients(region):
         feats.add("shift-gradient")     # the output depends on a max shift: its argmax is saved
     if any(r.stopped for r in region.reductions) or any(x.op == "stop" for e in region.exprs() for x in walk(e)):

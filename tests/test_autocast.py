@@ -209,18 +209,16 @@ def test_autocast_casts_keep_what_the_program_reads(fn):
     threshold came from a second product of the same q and k (refused: the kernel's recomputed
     scores are not bitwise eager's, error 0.15 against eager's 0.03). Now a graph that writes in
     place or switches grad mode keeps each cast where autocast makes it, and the check follows a
-    leaf through casts and moves to the tensor it reads."""
+    leaf through casts and moves to the tensor it reads. (Since session 32 the top-k is the
+    kernel's own ``kth`` reduction of its scores, which the second product is: it fuses.)"""
     torch.manual_seed(0)
-    args = [torch.randn(2, 4, 37, 16, requires_grad=True) for _ in range(3)]
+    shape = (1, 2, 21, 16) if fn is _top8_from_a_second_product else (2, 4, 37, 16)   # (the interpreter's top-k is slow)
+    args = [torch.randn(*shape, requires_grad=True) for _ in range(3)]
     torch.compiler.reset()
     report = flashlight.explain(fn, *args)
     torch.compiler.reset()
     out = torch.compile(fn, backend="flashlight")(*args)
     want = fn(*args)
-    if fn is _top8_from_a_second_product:
-        assert not report.regions and "the scores meet" in report.fallbacks[0].reason, report
-        assert torch.equal(out, want)
-        return
     assert len(report.regions) == 1, report
     leaves = [x.detach().double().requires_grad_() for x in args]
     ref = fn(*leaves)

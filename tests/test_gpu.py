@@ -278,6 +278,30 @@ def test_split_kv_decoding_of_two_pass_programs(name):
         assert rel_error(a, b) < GRAD_TOL
 
 
+@pytest.mark.parametrize("rank", [16, 100])
+def test_top_k_attention_bf16(rank):
+    """Top-k attention at 1000 keys in bf16 (ranks 16 and 100: 16 and 128 candidates per row):
+    the first pass's candidates against eager's topk, and, in training, the dK/dV kernel's
+    transposed score tiles compared with the forward's threshold (a flip at the k-th key
+    would move its probability). Against float64."""
+    from types import SimpleNamespace
+
+    from flashlight.examples import top_k
+    torch.manual_seed(0)
+    old, top_k.K = top_k.K, rank
+    try:
+        inputs = [torch.randn(2, 4, n, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+                  for n in (333, 1000, 1000)]
+        r = flashlight.explain(top_k.attention, *inputs).regions[0]
+        assert "top-k" in r.features and r.backward.startswith("generated"), (r.features, r.backward)
+        out = torch.compile(top_k.attention, backend="flashlight")(*inputs)
+        dout = torch.randn_like(out)
+        check_against_float64(SimpleNamespace(attention=top_k.attention), inputs, out,
+                              torch.autograd.grad(out, inputs, dout), dout)
+    finally:
+        top_k.K = old
+
+
 GLUON_CASES = [("vanilla", 128, {}), ("causal", 64, {}), ("causal", 128, {}), ("sliding_window", 128, {}),
                ("prefix_lm", 64, {}), ("document_mask", 128, {}), ("alibi", 128, {}), ("softcap", 64, {}),
                ("gqa", 128, {}), ("gated", 64, {}), ("key_padding", 64, {"lengths": [0, 300]}),

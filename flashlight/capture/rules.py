@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..ir import Expr, call, coerce, const, free_vars, refs, walk
 from ..ir.expr import is_const
 from ..ir.philox import LEVELS
+from ..ir.region import KTH_MAX
 from .scans import cumsum, key_triangle, triangle_product
 from .symbolic import RULES, Builder, Sym, Unsupported, align, carries_grad, kind_of, meta, moved, static_shape, \
     written_after
@@ -311,6 +312,31 @@ def _values(b, node, parent, i):
     x, dim, *rest = parent.args
     keepdim = rest[0] if rest else parent.kwargs.get("keepdim", False)
     return (_amax if parent.target.overloadpacket == aten.max else _amin)(b, node, x, dim, keepdim)
+
+
+def _topk_values(b, node, parent, i):
+    """``topk(x, k).values`` over the keys: entry c of a row is the (c + 1)-th largest value
+    (a ``kth`` reduction; the smallest with ``largest=False``: -kth of -x), read at constant
+    positions — top-k attention's threshold ``[..., -1:]``. Its indices stay leaves."""
+    if i != 0:
+        return None
+    x, k, *rest = parent.args
+    dim = rest[0] if rest else parent.kwargs.get("dim", -1)
+    largest = rest[1] if len(rest) > 1 else parent.kwargs.get("largest", True)
+    ordered = rest[2] if len(rest) > 2 else parent.kwargs.get("sorted", True)
+    s = b.sym(x)
+    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1 or s.shape[-1] != b.N or not ordered:
+        return None     # (unsorted values: no entry is a rank)
+    if not 1 <= k <= KTH_MAX:
+        raise Unsupported(f"topk with k = {k}: a kernel keeps at most {KTH_MAX} values per row", node)
+
+    def fn(idx):
+        if idx[-1].op != "const" or any("n" in free_vars(e) for e in idx[:-1]):
+            raise Unsupported("top-k values read at a varying position", node)
+        body = s(idx[:-1] + (b.n,))
+        kth = lambda e: b.add_reduction("kth", e, rank=int(idx[-1].args[0]) + 1)  # noqa: E731
+        return kth(body) if largest else call("neg", kth(call("neg", body)))
+    return Sym(out_shape(node), "f", fn)
 
 
 def _split_item(b, node, parent, i):
@@ -903,6 +929,6 @@ RULES.update({
 })
 # ops returning several tensors: op -> rule for item i
 ITEMS = {aten.split: _split_item, aten.chunk: _split_item, aten.split_with_sizes: _split_item,
-         aten.max: _values, aten.min: _values}
+         aten.max: _values, aten.min: _values, aten.topk: _topk_values}
 RULES[operator.getitem] = _item
 RULES.update({inplace: _inplace(op) for inplace, op in INPLACE.items()})

@@ -299,9 +299,11 @@ class Builder:
             self.dots.append(d)
         return dot(self.dots.index(d))
 
-    def add_reduction(self, kind: str, body: Expr, v: Expr | None = None, size: int | None = None) -> Expr:
+    def add_reduction(self, kind: str, body: Expr, v: Expr | None = None, size: int | None = None,
+                      rank: int = 0) -> Expr:
         """Register ``kind``_n ``body`` (over ``size`` positions along the key axis: N, or N + 1
-        when the body reads a column appended with ``torch.cat``, which rewrite splits off)."""
+        when the body reads a column appended with ``torch.cat``, which rewrite splits off;
+        ``rank``: a ``kth`` reduction's)."""
         if "n" not in free_vars(body) and not refs(body, "dot") and kind != "dot":
             raise Unsupported(f"{kind} over the key dim of a value that does not vary along it")
         if any(x.op == "cat_n" for x in walk(body)):
@@ -309,7 +311,9 @@ class Builder:
                 body = substitute(body, lambda e: e.args[0] if e.op == "cat_n" else None)
             elif size != self.N + 1:
                 raise Unsupported(f"{kind} over {size} positions of an axis with {self.N} keys and a column")
-        r = Reduction(kind, body, v)
+        if kind == "kth" and size not in (None, self.N):
+            raise Unsupported("top-k over the keys and an appended column")
+        r = Reduction(kind, body, v, rank=rank)
         if r not in self.reductions:
             self.reductions.append(r)
         return red(self.reductions.index(r))

@@ -77,6 +77,13 @@ def backward_support(region: Region) -> str | None:
     for row in region.rows:
         if any(region.reductions[j].kind == "dot" for j in refs(row.expr, "red")):
             return "a row output reads a P @ V product"
+    kths = [j for j, r in enumerate(region.reductions) if r.kind == "kth"]
+    if kths:        # a top-k threshold read only through comparisons is a constant of the backward
+        seeds = output_exprs(region) + [r.body for r in region.reductions if r.kind in ("sum", "dot")]
+        reached = vjp({e: tile("g") for e in seeds})
+        taking = [j for j in kths if red(j) in reached]
+        if taking:
+            return f"red{taking[0]}, a top-k value, would take a gradient (read other than through a comparison)"
     shifted = shift_gradients(region)
     shift = {k: j for j, m in enumerate(region.reductions) if m.kind == "max" for k in shifted_sums(region, j)}
     read = read_sums(region)
@@ -95,6 +102,8 @@ def backward_support(region: Region) -> str | None:
             op = not_differentiable(r.extra)
             if op:
                 return f"no derivative rule for {op}"
+        if r.kind == "kth":
+            continue
         if r.kind == "max":
             if j not in shifted:
                 continue
@@ -104,11 +113,11 @@ def backward_support(region: Region) -> str | None:
                 return f"red{j}'s extra element would take the gradient of its shift"
             continue
         other = refs(r.body, "red") - {shift.get(j)} - set(read)
-        other -= {i for i in other if region.reductions[i].kind == "max" and i not in shifted}    # constants
+        other -= {i for i in other if region.reductions[i].kind in ("max", "kth") and i not in shifted}    # constants
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
     exprs = output_exprs(region) + [e for d in region.dots for e in (d.q, d.k)]
-    exprs += [e for j, r in enumerate(region.reductions) if r.kind != "max" or j in shifted or r.scan
+    exprs += [e for j, r in enumerate(region.reductions) if r.kind in ("sum", "dot") or j in shifted
               for e in (r.body, r.v) if e is not None]
     for e in exprs:
         op = not_differentiable(e)
@@ -122,9 +131,9 @@ def read_sums(region: Region, readers: list[int] | None = None) -> list[int]:
     0)): their row gradients sum over the keys too (``SumsWriter``). ``readers``: the
     reductions whose bodies count (default: every sum and product)."""
     if readers is None:
-        readers = [j for j, r in enumerate(region.reductions) if r.kind != "max"]
+        readers = [j for j, r in enumerate(region.reductions) if r.kind in ("sum", "dot")]
     return sorted({i for j in readers for i in refs(region.reductions[j].body, "red")
-                   if region.reductions[i].kind != "max"})
+                   if region.reductions[i].kind in ("sum", "dot")})
 
 
 class DotGrads(NamedTuple):
@@ -431,7 +440,10 @@ class TileWriter(KernelWriter):
         vec = "[None, :]" if self.transposed else "[:, None]"
         block.lines.append("# the forward's softmax shifts, and dL/d(reduction) from the output expression")
         for j, rd in enumerate(self.r.reductions):
-            if rd.kind == "max":
+            if rd.kind == "kth":    # a constant here (``backward_support``)
+                block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
+                self.em.red_names[j] = f"r{j}_s"
+            elif rd.kind == "max":
                 block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
                 self.em.red_names[j] = f"r{j}_s"
                 if j in self.plan.members:      # its gradient, and the key it reaches (-1: none)

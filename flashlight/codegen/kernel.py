@@ -318,6 +318,9 @@ class KernelWriter:
             init = NEG_INF if kind == "max" else "0.0"
             if kind == "dot":
                 out.lines += [f"{dv_state(j, o)} = tl.full({TILE[o.name][2]}, {init}, tl.float32)" for _, o in self.dv_ctxs]
+            elif kind == "kth":
+                out.lines.append(f"r{j}_c = tl.full([BLOCK_M, {kth_width(r.reductions[j])}], {NEG_INF}, tl.float32)"
+                                 f"  # the {r.reductions[j].rank} largest so far")
             else:
                 out.lines.append(f"r{j} = tl.full([BLOCK_M, 1], {init}, tl.float32)")
             if j in self.argmax:
@@ -326,6 +329,8 @@ class KernelWriter:
         out.lines += self.key_loops(members + self.recomputed, lambda loop, full: self.loop_body(members, loop, full),
                                     order=SCAN_ORDER.get(next(iter(scans), None)))
         for j in members:
+            if r.reductions[j].kind == "kth":
+                out.lines += kth_value(j, r.reductions[j])
             if r.reductions[j].kind == "max":
                 out.lines.append(f"r{j}_s = tl.where(r{j} == {NEG_INF}, 0.0, r{j})")
                 em.red_names[j] = f"r{j}_s"
@@ -441,6 +446,10 @@ class KernelWriter:
                 continue
             if red.scan:
                 loop.lines.append(f"r{j} = r{j} + tl.sum(x{j}, 1, keep_dims=True)")
+                continue
+            if red.kind == "kth":
+                x = full_tile(bound(em.emit(bodies[j], sctx, loop), NEG_INF), bodies[j], sctx, r)
+                loop.lines += kth_merge(j, red, x)
                 continue
             contrib = bound(em.emit(bodies[j], sctx, loop), "0.0")
             scaled = f"r{j} * alpha{red.online}" if red.online is not None else f"r{j}"
@@ -593,6 +602,38 @@ class KernelWriter:
         self.epilogue()
         source = self.assemble()
         return prelude(source) + source
+
+
+def kth_width(red) -> int:
+    """The candidates a ``kth`` reduction keeps per row: its rank, rounded up to a power of two
+    (``tl.topk`` and ``tl.sort`` work on power-of-two widths)."""
+    return 1 << max(red.rank - 1, 0).bit_length()
+
+
+def kth_merge(j: int, red, x: str) -> list[str]:
+    """One key block's values ``x`` ([BLOCK_M, BLOCK_N], -inf where masked) into ``r{j}_c``,
+    the largest ``kth_width`` values so far (a multiset: duplicates count, as in ``topk``). A
+    block narrower than the candidates is widened with -inf first (constexpr branches: BLOCK_N
+    is at least 16)."""
+    kp = kth_width(red)
+    lines = [f"x{j}_k = {x}"]
+    w = 1
+    while 16 * w * 2 <= max(kp, 16):
+        lines += [f"if BLOCK_N * {2 * w} <= {kp}:",
+                  f"    x{j}_k = tl.reshape(tl.join(x{j}_k, tl.full([BLOCK_M, {w} * BLOCK_N], {NEG_INF}, tl.float32)), "
+                  f"[BLOCK_M, {2 * w} * BLOCK_N])"]
+        w *= 2
+    return lines + [f"r{j}_c = tl.topk(tl.reshape(tl.join(r{j}_c, tl.topk(x{j}_k, {kp}, dim=1)), [BLOCK_M, {2 * kp}]), "
+                    f"{kp}, dim=1)"]
+
+
+def kth_value(j: int, red) -> list[str]:
+    """``r{j}``: the rank-th largest of the candidates (their minimum when the rank is their width)."""
+    kp = kth_width(red)
+    if kp == red.rank:
+        return [f"r{j} = tl.min(r{j}_c, 1, keep_dims=True)  # the {red.rank}-th largest"]
+    return [f"r{j} = tl.sum(tl.where(tl.arange(0, {kp})[None, :] == {red.rank - 1}, "
+            f"tl.sort(r{j}_c, dim=1, descending=True), 0.0), 1, keep_dims=True)  # the {red.rank}-th largest"]
 
 
 def partial_sums(em: Emitter, loop: Block, j: int, scan: str, x: str, carry: str) -> None:

@@ -49,9 +49,10 @@ def splittable(region: Region) -> bool:
     """The output in the tile's own layout (a permuted store's index is not rewritten by
     ``pack_heads`` and the runtime views the output as (*batch, M, DV)); partial sums over the
     keys only in one pass, and where each split's sums reading them are merged by a factor
-    (``scan_factors``)."""
+    (``scan_factors``); no top-k value (its candidates are not merged across splits yet)."""
     scans = any(rd.scan for rd in region.reductions)
-    return region.out_index is None and scan_factors(region) is not None and not (scans and len(region.passes()) > 1)
+    return region.out_index is None and scan_factors(region) is not None and \
+        not (scans and len(region.passes()) > 1) and all(rd.kind != "kth" for rd in region.reductions)
 
 
 def scan_factors(region: Region) -> dict[int, tuple[int, float]] | None:

@@ -7,6 +7,8 @@ float32, or float64 when any floating input is float64 (so gradcheck works).
 """
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Sequence
 
 import torch
@@ -128,6 +130,9 @@ class Evaluator:
                 val = body.amax(-1, keepdim=True)
             elif r.kind == "sum":
                 val = body.sum(-1, keepdim=True)
+            elif r.kind == "kth":       # fewer keys than the rank: -inf (a kernel's candidates start there)
+                val = body.topk(r.rank, -1).values[..., -1:] if r.rank <= body.shape[-1] else \
+                    torch.full_like(body[..., :1], -math.inf)
             else:
                 val = body @ self.full(self.ctx_v(r.v), self.ctx_v)
             if r.extra is not None:      # one more element (a sink column)

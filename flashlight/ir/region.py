@@ -15,6 +15,8 @@ A region computes, for every (b..., m)::
                 r_j + extra_j (an attention sink: a logit column appended after the N keys)
                 a sum may be a ``scan``: the bodies of its pass read its partial sums over the
                 keys before (prefix) or after (suffix) each key, ``scan(j)`` (stick-breaking)
+                r_j[b, m] = the ``rank``-th largest of body_j[b, m, :]     (kind "kth": top-k
+                attention's threshold, ``topk(s, k).values[..., -1:]``; duplicates count)
     out         out[b, m, dv] = out_expr(r..., loads)
     rows        row_i[b, m] = row_expr_i(r..., loads)     (extra outputs: logsumexp, row max, ...)
 
@@ -29,7 +31,8 @@ import torch
 from .expr import Expr, fmt, free_vars, refs, walk
 from .scaling import shift_gradients
 
-RED_KINDS = ("max", "sum", "dot")
+RED_KINDS = ("max", "sum", "dot", "kth")
+KTH_MAX = 128       # the largest rank a kernel keeps candidates for (a power of two, <= the smallest BLOCK_N it launches)
 SCANS = (None, "prefix", "suffix")      # a suffix scan's pass runs its key blocks last to first
 
 
@@ -57,6 +60,7 @@ class Reduction:
     base2: bool = False         # a max in log2 units (rewrite "base-2"): its sums rescale by exp2
     scan: str | None = None     # a sum whose partial sums the bodies read: "prefix" or "suffix"
     stopped: bool = False       # a max read only through detach(): no gradient (rewrite "stopped-maxima")
+    rank: int = 0               # kind "kth": which largest value (1: the max)
 
     def __post_init__(self):
         assert self.kind in RED_KINDS
@@ -64,6 +68,8 @@ class Reduction:
         assert self.extra is None or self.kind != "dot"
         assert not self.base2 or self.kind == "max"
         assert not self.stopped or self.kind == "max"
+        assert (self.kind == "kth") == (self.rank >= 1) and (self.kind != "kth" or (
+            self.extra is None and self.online is None and self.rank <= KTH_MAX))
         assert self.scan in SCANS and (self.scan is None or (self.kind == "sum" and self.extra is None
                                                              and self.online is None))
 
@@ -148,6 +154,7 @@ class Region:
             on += " base2" if r.base2 else ""
             on += f" scan={r.scan}" if r.scan else ""
             on += " stopped" if r.stopped else ""
+            on += f" rank={r.rank}" if r.kind == "kth" else ""
             extra += f" extra={fmt(r.extra)}" if r.extra is not None else ""
             lines.append(f"  red{j} = {r.kind}_n {fmt(r.body)}{extra}{on}")
         lines.append(f"  out = {fmt(self.out)} {self.out_dtype}")

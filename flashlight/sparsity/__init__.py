@@ -250,7 +250,7 @@ def dead_predicate(region: Region, members: list[int]) -> Expr:
     for j in members:
         r = region.reductions[j]
         body = signed_scans(region, r.body)
-        dead = call("and", dead, neg_inf_when(body) if r.kind == "max" else zero_when(body))
+        dead = call("and", dead, neg_inf_when(body) if r.kind in ("max", "kth") else zero_when(body))
     return dead
 
 

@@ -1,0 +1,121 @@
+"""Top-k attention: ``s.topk(k).values[..., -1:]``, the row's k-th largest score, becomes a
+``kth`` reduction (``capture.rules._topk_values``): a first pass over the keys keeps each row's k
+largest values so far (``tl.topk`` of each key block merged into the candidates), the softmax
+over the scores it keeps runs in the next pass. The threshold, read only through comparisons,
+is a constant of the generated backward. Outputs and gradients against float64 eager at ragged
+shapes, ranks below and above a key block, rows with fewer than k keys and rows without any."""
+import pytest
+import torch
+
+import flashlight
+from flashlight.runtime import decode
+from flashlight.runtime.op import REGISTRY
+from flashlight.testing import reference, rel_error
+from helpers import check_fused, check_grads
+
+
+def _scores(q, k):
+    return q @ k.mT * q.shape[-1] ** -0.5
+
+
+def top_k(k):
+    """Keep each row's k largest scores (masked_fill below the k-th), then a softmax."""
+    def attention(q, key, v):
+        s = _scores(q, key)
+        kth = s.topk(k, dim=-1).values[..., -1:]
+        return torch.softmax(s.masked_fill(s < kth, float("-inf")), -1) @ v
+    return attention
+
+
+def causal_top_k(q, key, v):
+    """Causal, ``torch.where(s >= kth, ...)``: the first rows have fewer than 10 keys (the
+    threshold is -inf there, every live key stays); the k-th read as ``values[..., k - 1, None]``."""
+    s = _scores(q, key)
+    M, N = s.shape[-2:]
+    s = s.masked_fill(~torch.ones(M, N, dtype=torch.bool, device=q.device).tril(N - M), float("-inf"))
+    kth = s.topk(10, dim=-1).values[..., 9, None]
+    return torch.softmax(torch.where(s >= kth, s, float("-inf")), -1) @ v
+
+
+def top_k_probabilities(q, key, v):
+    """The k largest probabilities renormalised (three passes: the softmax's sums, the k-th
+    largest probability, the sum of the kept ones; its backward walks the keys for the
+    normaliser, ``SumsWriter``)."""
+    p = torch.softmax(_scores(q, key), -1)
+    kth = p.topk(6, dim=-1).values[..., -1:]
+    p = torch.where(p >= kth, p, 0.0)
+    return (p / p.sum(-1, keepdim=True)) @ v
+
+
+def late_rows(q, key, v):
+    """Rows 0..4 see no key: their threshold and output are those of an empty row (0; nan_to_num,
+    for eager's gradients, keeps the division in the product: three passes)."""
+    s = _scores(q, key)
+    i, j = torch.arange(s.shape[-2])[:, None], torch.arange(s.shape[-1])[None, :]
+    s = s.masked_fill(j >= i - 4, float("-inf"))
+    kth = s.topk(3, dim=-1).values[..., -1:]
+    return torch.softmax(s.masked_fill(s < kth, float("-inf")), -1).nan_to_num(0.0) @ v
+
+
+PROGRAMS = {"k5": (top_k(5), 2), "causal": (causal_top_k, 2), "probabilities": (top_k_probabilities, 3),
+            "late_rows": (late_rows, 3)}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_top_k_fuses_and_trains(name):
+    """One region, the expected passes, float64's outputs and gradients (the interpreter's 16-key
+    blocks hold the candidates of these ranks: 8 and 16)."""
+    fn, passes = PROGRAMS[name]
+    q, k, v = torch.randn(1, 2, 37, 16), torch.randn(1, 2, 45, 16), torch.randn(1, 2, 45, 16)
+    _, report = check_fused(fn, q, k, v)
+    r = report.regions[0]
+    assert "top-k" in r.features and f"{passes}-pass" in r.features, r.features
+    assert r.backward.startswith("generated"), r.backward
+    check_grads(fn, [x.clone().requires_grad_() for x in (q, k, v)])
+
+
+@pytest.mark.parametrize("rank", [20, 61])
+def test_ranks_wider_than_a_key_block(rank):
+    """Ranks 20 and 61 keep 32 and 64 candidates, more than the interpreter's 16-key blocks: each
+    block is widened with -inf before its top-k (``kernel.kth_merge``), once and twice."""
+    q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 83, 16), torch.randn(1, 1, 83, 16)
+    check_fused(top_k(rank), q, k, v)
+
+
+def test_ties_at_the_threshold_are_kept():
+    """Scores with many equal values (integer-valued q and k): every key equal to the k-th
+    largest stays, as eager's ``s < kth`` keeps it (duplicates count toward k)."""
+    fn = top_k(4)
+    q, k, v = torch.randint(-1, 2, (1, 2, 21, 16)).float(), torch.randint(-1, 2, (1, 2, 33, 16)).float(), \
+        torch.randn(1, 2, 33, 16)
+    check_fused(fn, q, k, v)
+
+
+def test_a_threshold_read_arithmetically_keeps_the_reference_backward():
+    """s - kth would take a gradient at the k-th key, which the generated backward does not
+    give: the forward fuses, the backward is the reference VJP (and right)."""
+    def attention(q, key, v):
+        s = _scores(q, key)
+        return torch.softmax(s - s.topk(3, dim=-1).values[..., -1:], -1) @ v
+    q, k, v = (torch.randn(1, 2, 19, 16) for _ in range(3))
+    _, report = check_fused(attention, q, k, v)
+    assert "top-k value" in report.regions[0].backward, report.regions[0].backward
+    check_grads(attention, [x.clone().requires_grad_() for x in (q, k, v)], generated=False)
+
+
+def test_more_than_the_kernel_keeps_falls_back_with_a_reason():
+    fn = top_k(200)
+    q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 300, 16), torch.randn(1, 1, 300, 16)
+    report = flashlight.explain(fn, q, k, v)
+    assert not report.regions and "at most 128" in str(report), str(report)
+
+
+def test_decoding_keeps_one_kernel(monkeypatch):
+    """Split-KV decoding does not merge top-k candidates across splits yet: one kernel."""
+    monkeypatch.setattr(decode, "FORCE_SPLITS", 3)
+    fn = top_k(8)
+    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16)
+    report = flashlight.explain(fn, q, k, v)
+    out = torch.compile(fn, backend="flashlight")(q, k, v)
+    assert REGISTRY[report.regions[0].key].split is False
+    assert rel_error(out, reference(fn, q, k, v)) < 1e-4
