@@ -1,5 +1,6 @@
-# Session 33's plan (session 32: docs/notes.md "Session 32"): as session 32's below; S32 now also runs the GPU
-#   test of the multi-pass split-KV decode (session 32) and the decode suite's threshold and softpick rows.
+# Session 33's plan (session 32: docs/notes.md "Session 32": S32 ran on an H100, then the GPU tests in full (76
+#   passed), TR, F twice, the top-k GPU test and beyond rows). Leave kind out; if an H200 comes: F (#6), then
+#   LIMIT=250 TR (#5). On an H100: T33 (top-k's merge: the GPU test and the beyond row, k = 16 and 64).
 # Session 32's plan (session 31: docs/notes.md "Session 31"): leave kind out. First
 #   run(command="bash scripts/device_next.sh S32") (~6 min): the GPU tests of the scans and of session 31's
 #   sums kernel, benchmarks.chained and benchmarks.scans against Inductor. Then on an H200: F (#6), then
@@ -128,6 +129,15 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+T33)  # session 32's top-k attention (~2 min): its GPU test (ranks 16 and 100), then the beyond suite's top_k row
+    # (the example: k = 16, causal) against Inductor at D = 64 and 128, beside threshold (a 2-pass program
+    # without the merge) for scale
+  timeout -k 10 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "top_k" > $OUT/test_gpu_t33.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed|Error" $OUT/test_gpu_t33.txt | cut -c1-250 | head -6
+  timeout -k 5 120 python3 -m benchmarks.run --suite beyond --only top_k,threshold --backends flashlight,inductor \
+    --no-plots --out $OUT/topk > $OUT/topk.txt 2>&1
+  echo "topk rc $?"; grep -v "^W\|Warning" $OUT/topk.txt | cut -c1-170 | tail -5
+  ;;
 S32)  # session 31 (~6 min, no carry): the GPU tests of the scans (session 30's backward) and of the sums a later
     # pass reads (session 31's sums kernel), then benchmarks.chained (threshold, sqrt weights, causal for scale)
     # and benchmarks.scans, each against Inductor; the scans' old side (S31, .s30) if time is left
