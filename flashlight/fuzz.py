@@ -46,13 +46,15 @@ class Program:
     oracle: object = None       # the float64 reference's program, when it must differ from ``fn``
 
 
-def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = True, scans: bool = True) -> Program:
+def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = True, scans: bool = True,
+                 top_k: bool = True) -> Program:
     """A random program. ``sizes`` overrides the drawn sizes (``B``, ``H``, ``M``, ``N``, ``D``,
     ``Dv``; drawn all the same, so a seed keeps the rest of its program): the Gluon fuzz asks for
     whole blocks and head dims 64 / 128. ``stops=False``: no stopped gradient (``detach()``, a
     ``no_grad`` term), which only the capture sees (the Gluon fuzz compares kernels); ``scans=False``:
     no cumulative sum over the keys and no renormalised probabilities (no Gluon kernel computes
-    a scan or a second pass)."""
+    a scan or a second pass); ``top_k=False``: no top-k threshold (drawn all the same; the
+    interpreter's sorts are slow, so CI's fixed seeds leave it to ``tests/test_topk.py``)."""
     B, H = rng.choice([1, 2]), rng.choice([1, 2, 4])
     M = rng.choice([1, 2, 5, 13, 16, 31, 37, 64, 70])
     N = rng.choice([M, M, 3, 17, 29, 48, 61, 83])
@@ -187,6 +189,8 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         else:
             if keep is not None:
                 s = s.masked_fill(~keep, fill) if rng_fill_style else torch.where(keep, s, fill)
+            if top_k:                       # each row's top-k scores alone: a pass keeps the k-th largest
+                s = s.masked_fill(s < s.topk(min(top_k, N), dim=-1).values[..., -1:], fill)
             if sink:                        # one more column per row, dropped after the softmax
                 s = torch.cat([s, ex["sinks"].view(1, H, 1, 1).expand(B, H, M, 1)], dim=-1)
             if spelling == "torch":
@@ -284,13 +288,16 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     post = post if scans and not sdpa else "none"
     # the hand-written softmax's shift detached (drawn last, likewise): it takes no gradient
     detach_shift = spelling == "hand" and rng.random() < 0.3
+    # top-k attention's threshold, s.topk(k).values[..., -1:] (drawn last, likewise)
+    k_drawn = rng.choice([0] * 7 + [3, 8, 20])
+    top_k = k_drawn if scans and top_k and not sdpa else 0
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
             f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
             f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan} post={post} "
-            f"detach_shift={detach_shift}")
+            f"detach_shift={detach_shift} top_k={top_k}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program

@@ -12,7 +12,7 @@ from flashlight.fuzz import check, check_autocast, make_program
 def test_random_program_matches_fp64(i):
     rng = random.Random(4242 + i)
     torch.manual_seed(4242 + i)
-    p = make_program(rng)
+    p = make_program(rng, top_k=False)      # (top-k: tests/test_topk.py; the long runs draw it)
     ok, _, msg = check(p)
     assert ok, f"{p.desc}: {msg}"
 
@@ -24,6 +24,6 @@ def test_random_program_under_autocast_matches_eager_autocast(i):
     float64 than eager's own under autocast."""
     rng = random.Random(5151 + i)
     torch.manual_seed(5151 + i)
-    p = make_program(rng)
+    p = make_program(rng, top_k=False)
     ok, _, msg = check_autocast(p, inside=i % 2 == 1)
     assert ok, f"{p.desc}: {msg}"
