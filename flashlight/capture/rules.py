@@ -325,8 +325,9 @@ def _topk_values(b, node, parent, i):
     largest = rest[1] if len(rest) > 1 else parent.kwargs.get("largest", True)
     ordered = rest[2] if len(rest) > 2 else parent.kwargs.get("sorted", True)
     s = b.sym(x)
-    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1 or s.shape[-1] != b.N or not ordered:
-        return None     # (unsorted values: no entry is a rank)
+    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1 or s.shape[-1] != b.N or not ordered or \
+            not isinstance(k, int):
+        return None     # (unsorted values: no entry is a rank; a symbolic k: no fixed candidates)
     if not 1 <= k <= KTH_MAX:
         raise Unsupported(f"topk with k = {k}: a kernel keeps at most {KTH_MAX} values per row", node)
 
