@@ -189,8 +189,8 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
         else:
             if keep is not None:
                 s = s.masked_fill(~keep, fill) if rng_fill_style else torch.where(keep, s, fill)
-            if top_k:                       # each row's top-k scores alone: a pass keeps the k-th largest
-                s = s.masked_fill(s < s.topk(min(top_k, N), dim=-1).values[..., -1:], fill)
+            if k_top:                       # each row's top-k scores alone: a pass keeps the k-th largest
+                s = s.masked_fill(s < s.topk(min(k_top, N), dim=-1).values[..., -1:], fill)
             if sink:                        # one more column per row, dropped after the softmax
                 s = torch.cat([s, ex["sinks"].view(1, H, 1, 1).expand(B, H, M, 1)], dim=-1)
             if spelling == "torch":
@@ -289,15 +289,15 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # the hand-written softmax's shift detached (drawn last, likewise): it takes no gradient
     detach_shift = spelling == "hand" and rng.random() < 0.3
     # top-k attention's threshold, s.topk(k).values[..., -1:] (drawn last, likewise)
-    k_drawn = rng.choice([0] * 7 + [3, 8, 20])
-    top_k = k_drawn if scans and top_k and not sdpa else 0
+    k_top = rng.choice([0] * 7 + [3, 8, 20])
+    k_top = k_top if scans and top_k and not sdpa else 0
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
             f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
             f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan} post={post} "
-            f"detach_shift={detach_shift} top_k={top_k}")
+            f"detach_shift={detach_shift} top_k={k_top}")
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program

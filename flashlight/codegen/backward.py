@@ -79,7 +79,7 @@ def backward_support(region: Region) -> str | None:
             return "a row output reads a P @ V product"
     kths = [j for j, r in enumerate(region.reductions) if r.kind == "kth"]
     if kths:        # a top-k threshold read only through comparisons is a constant of the backward
-        seeds = output_exprs(region) + [r.body for r in region.reductions if r.kind in ("sum", "dot")]
+        seeds = output_exprs(region) + [r.body for r in region.reductions if r.additive]
         reached = vjp({e: tile("g") for e in seeds})
         taking = [j for j in kths if red(j) in reached]
         if taking:
@@ -117,7 +117,7 @@ def backward_support(region: Region) -> str | None:
         if other:
             return f"red{j} reads reductions {sorted(other)} other than its softmax shift"
     exprs = output_exprs(region) + [e for d in region.dots for e in (d.q, d.k)]
-    exprs += [e for j, r in enumerate(region.reductions) if r.kind in ("sum", "dot") or j in shifted
+    exprs += [e for j, r in enumerate(region.reductions) if r.additive or j in shifted
               for e in (r.body, r.v) if e is not None]
     for e in exprs:
         op = not_differentiable(e)
@@ -131,9 +131,9 @@ def read_sums(region: Region, readers: list[int] | None = None) -> list[int]:
     0)): their row gradients sum over the keys too (``SumsWriter``). ``readers``: the
     reductions whose bodies count (default: every sum and product)."""
     if readers is None:
-        readers = [j for j, r in enumerate(region.reductions) if r.kind in ("sum", "dot")]
+        readers = [j for j, r in enumerate(region.reductions) if r.additive]
     return sorted({i for j in readers for i in refs(region.reductions[j].body, "red")
-                   if region.reductions[i].kind in ("sum", "dot")})
+                   if region.reductions[i].additive})
 
 
 class DotGrads(NamedTuple):
@@ -440,10 +440,7 @@ class TileWriter(KernelWriter):
         vec = "[None, :]" if self.transposed else "[:, None]"
         block.lines.append("# the forward's softmax shifts, and dL/d(reduction) from the output expression")
         for j, rd in enumerate(self.r.reductions):
-            if rd.kind == "kth":    # a constant here (``backward_support``)
-                block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
-                self.em.red_names[j] = f"r{j}_s"
-            elif rd.kind == "max":
+            if rd.kind in ("max", "kth"):       # a k-th largest is a constant here (``backward_support``)
                 block.lines.append(f"r{j}_s = tl.load(rowstats_ptr + {row} + {cols[j]}, mask=mask_m, other=0.0){vec}")
                 self.em.red_names[j] = f"r{j}_s"
                 if j in self.plan.members:      # its gradient, and the key it reaches (-1: none)

@@ -169,20 +169,20 @@ class SplitWriter(KernelWriter):
         KernelWriter.prologue(self)
         self.outer.lines += ["NUM_B = tl.num_programs(1)", f"WS_C = {columns(self.r)[2]}"]
 
-    def load_earlier(self, dots: bool = False) -> None:
+    def load_earlier(self, epilogue: bool = False) -> None:
         """The earlier passes' final values (a max as the shift its bodies used), under the
-        names the bodies and the epilogue read; P @ V products (which no body reads) with
-        ``dots``, for the epilogue."""
+        names the bodies read; with ``epilogue`` also what only the epilogue reads: P @ V
+        products and the saved argmaxes."""
         cols, at, _ = columns(self.r)
         for j in self.earlier:
             if self.r.reductions[j].kind == "dot":
-                if dots:
+                if epilogue:
                     self.outer.lines.append(f"r{j} = tl.load(ws_ptr + {FINAL} + {cols[j]} + offs_dv[None, :], "
                                             f"mask=mask_m[:, None] & mask_dv[None, :], other=0.0)")
                 continue
             self.outer.lines.append(f"r{j} = tl.load(ws_ptr + {FINAL} + {cols[j]}, mask=mask_m[:, None], other=0.0)")
             self.em.red_names[j] = f"r{j}"
-            if j in at:
+            if epilogue and j in at:
                 self.outer.lines.append(f"r{j}_at = tl.load(ws_ptr + {FINAL} + {at[j]}, mask=mask_m[:, None], "
                                         f"other=-1.0).to(tl.int32)")
 
@@ -223,7 +223,7 @@ class CombineWriter(SplitWriter):
         r, lines = self.r, self.outer.lines
         cols, at, _ = columns(r)
         row = _ws_row("s")
-        self.load_earlier(dots=self.last)
+        self.load_earlier(epilogue=self.last)
         maxes = [j for j in self.members if r.reductions[j].kind == "max"]
         others = [j for j in self.members if r.reductions[j].kind != "max"]
         lines += [f"r{j} = tl.full([BLOCK_M, 1], {NEG_INF}, tl.float32)" for j in maxes]

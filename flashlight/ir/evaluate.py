@@ -8,7 +8,6 @@ float32, or float64 when any floating input is float64 (so gradcheck works).
 from __future__ import annotations
 
 import math
-
 from typing import Callable, Sequence
 
 import torch

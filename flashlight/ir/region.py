@@ -32,7 +32,7 @@ from .expr import Expr, fmt, free_vars, refs, walk
 from .scaling import shift_gradients
 
 RED_KINDS = ("max", "sum", "dot", "kth")
-KTH_MAX = 128       # the largest rank a kernel keeps candidates for (a power of two, <= the smallest BLOCK_N it launches)
+KTH_MAX = 128       # the largest rank a kernel keeps candidates for (a power of two; narrower key blocks are widened)
 SCANS = (None, "prefix", "suffix")      # a suffix scan's pass runs its key blocks last to first
 
 
@@ -72,6 +72,12 @@ class Reduction:
             self.extra is None and self.online is None and self.rank <= KTH_MAX))
         assert self.scan in SCANS and (self.scan is None or (self.kind == "sum" and self.extra is None
                                                              and self.online is None))
+
+    @property
+    def additive(self) -> bool:
+        """A sum or a P @ V product: its body's terms add up over the keys (what the rewrites
+        factor, split and rescale, and what takes a row gradient); not a max or a k-th largest."""
+        return self.kind in ("sum", "dot")
 
     def reads(self) -> frozenset[int]:
         """The reductions this one reads (in its body or its extra element)."""

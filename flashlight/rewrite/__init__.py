@@ -211,7 +211,7 @@ def _replace_red(region: Region, j: int, new: Expr, reds: list) -> Region:
 
 def factor_rows(region: Region) -> Region | None:
     for j, r in enumerate(region.reductions):
-        if r.kind not in ("sum", "dot") or r.extra is not None or r.scan:
+        if not r.additive or r.extra is not None or r.scan:
             continue     # (a sink element is not scaled by the factor: it would need dividing)
         x, gs = pull(r.body, region)
         if not gs:
@@ -262,7 +262,7 @@ def _insert_red(region: Region, j: int, new: Reduction, combined: Expr) -> Regio
 
 def split_sums(region: Region) -> Region | None:
     for j, r in enumerate(region.reductions):
-        if r.kind not in ("sum", "dot") or r.extra is not None or r.scan or r.body.op not in SPLIT or one_pass(r.body, region):
+        if not r.additive or r.extra is not None or r.scan or r.body.op not in SPLIT or one_pass(r.body, region):
             continue
         a, b = r.body.args
         if not (one_pass(a, region) and one_pass(b, region)):
@@ -284,7 +284,7 @@ OFFSET: dict[str, Callable[[Expr, Expr, Expr], Expr]] = {
 
 def split_offsets(region: Region) -> Region | None:
     for j, r in enumerate(region.reductions):
-        if r.kind not in ("sum", "dot") or r.body.op != "mul" or r.extra is not None or r.scan:
+        if not r.additive or r.body.op != "mul" or r.extra is not None or r.scan:
             continue
         for x, yc in (r.body.args, r.body.args[::-1]):
             if yc.op not in OFFSET or row_constant(x, region) or not row_constant(yc.args[1], region):
@@ -309,7 +309,7 @@ def rescales_with(body: Expr, j: int, reads: frozenset[int], region: Region) -> 
 
 def make_online(region: Region) -> Region | None:
     for i, r in enumerate(region.reductions):
-        if r.kind not in ("sum", "dot") or r.online is not None or r.scan:
+        if not r.additive or r.online is not None or r.scan:
             continue
         for j in refs(r.body, "red"):
             # an extra element is seeded before the loop: the max it reads must be seeded too
