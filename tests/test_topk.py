@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashlight
+from flashlight.codegen import kernel
 from flashlight.runtime import decode
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import reference, rel_error
@@ -74,12 +75,30 @@ def test_top_k_fuses_and_trains(name):
     check_grads(fn, [x.clone().requires_grad_() for x in (q, k, v)])
 
 
+@pytest.mark.parametrize("inserts", [-1, None], ids=["topk", "default"])
 @pytest.mark.parametrize("rank", [20, 61])
-def test_ranks_wider_than_a_key_block(rank):
-    """Ranks 20 and 61 keep 32 and 64 candidates, more than the interpreter's 16-key blocks: each
-    block is widened with -inf before its top-k (``kernel.kth_merge``), once and twice."""
+def test_ranks_wider_than_a_key_block(monkeypatch, rank, inserts):
+    """Ranks 20 and 61 keep 32 and 64 candidates, more than the interpreter's 16-key blocks: a
+    block merged by ``tl.topk`` is widened with -inf first (``kernel.kth_merge``), once and twice;
+    by default such narrow blocks are inserted value by value."""
+    if inserts is not None:
+        monkeypatch.setattr(kernel, "kth_inserts", lambda red: inserts)
     q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 83, 16), torch.randn(1, 1, 83, 16)
     check_fused(top_k(rank), q, k, v)
+
+
+@pytest.mark.parametrize("inserts", [-1, 10 ** 6], ids=["topk_only", "inserts_only"])
+@pytest.mark.parametrize("program", ["k5", "causal", "ties"])
+def test_each_merge_alone(monkeypatch, inserts, program):
+    """``kth_merge`` inserts a block's few entering values one by one, or merges the block by
+    ``tl.topk``: each way alone (the other's branch never taken) keeps the same candidates."""
+    monkeypatch.setattr(kernel, "kth_inserts", lambda red: inserts)
+    fn = {"k5": top_k(5), "causal": causal_top_k, "ties": top_k(4)}[program]
+    q, k = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 83, 16)
+    if program == "ties":
+        q, k = torch.randint(-1, 2, q.shape).float(), torch.randint(-1, 2, k.shape).float()
+    _, report = check_fused(fn, q, k, torch.randn(1, 2, 83, 16))
+    assert f"<= {inserts}:" in REGISTRY[report.regions[0].key].source
 
 
 def test_ties_at_the_threshold_are_kept():

@@ -610,20 +610,43 @@ def kth_width(red) -> int:
     return 1 << max(red.rank - 1, 0).bit_length()
 
 
+def kth_inserts(red) -> int:
+    """The most values entering a key block's rows that ``kth_merge`` inserts one by one; above
+    it the block is merged by ``tl.topk``. An insertion is a row max, a row min and two selects
+    (a few ops per element); a bitonic top-k of the block and then of the candidates ~log2(k)^2
+    compare-and-swap rounds of several ops each (measured on the H100: docs/notes.md, session 33)."""
+    return kth_width(red) // 2
+
+
 def kth_merge(j: int, red, x: str) -> list[str]:
     """One key block's values ``x`` ([BLOCK_M, BLOCK_N], -inf where masked) into ``r{j}_c``,
-    the largest ``kth_width`` values so far (a multiset: duplicates count, as in ``topk``). A
-    block narrower than the candidates is widened with -inf first (constexpr branches: BLOCK_N
-    is at least 16)."""
+    the largest ``kth_width`` values so far, unordered (a multiset: duplicates count, as in
+    ``topk``). Only values above the smallest candidate enter. Where at most ``kth_inserts``
+    enter any row of the tile (most blocks once a row's candidates have settled), each is
+    inserted in place of the smallest candidate in turn: a loop of that many steps, uniform over
+    the tile. Otherwise the block's ``tl.topk`` and the candidates' go through one more
+    ``tl.topk``; a block narrower than the candidates is widened with -inf first (constexpr
+    branches: BLOCK_N is at least 16)."""
     kp = kth_width(red)
-    lines = [f"x{j}_k = {x}"]
+    lines = [f"x{j}_k = {x}",
+             f"x{j}_lo = tl.min(r{j}_c, 1, keep_dims=True)  # the smallest candidate: only larger values enter",
+             f"x{j}_in = tl.max(tl.sum((x{j}_k > x{j}_lo).to(tl.int32), 1))  # the most entering any row",
+             f"if x{j}_in <= {kth_inserts(red)}:",
+             f"    x{j}_e = tl.where(x{j}_k > x{j}_lo, x{j}_k, {NEG_INF})",
+             f"    for _ in range(x{j}_in):",
+             f"        x{j}_m, x{j}_at = tl.max(x{j}_e, 1, return_indices=True, keep_dims=True)",
+             f"        x{j}_e = tl.where(tl.arange(0, BLOCK_N)[None, :] == x{j}_at, {NEG_INF}, x{j}_e)",
+             f"        x{j}_lo, x{j}_lo_at = tl.min(r{j}_c, 1, return_indices=True, keep_dims=True)",
+             f"        r{j}_c = tl.where((tl.arange(0, {kp})[None, :] == x{j}_lo_at) & (x{j}_m > x{j}_lo), x{j}_m, r{j}_c)",
+             "else:",
+             f"    x{j}_w = x{j}_k"]
     w = 1
     while 16 * w * 2 <= max(kp, 16):
-        lines += [f"if BLOCK_N * {2 * w} <= {kp}:",
-                  f"    x{j}_k = tl.reshape(tl.join(x{j}_k, tl.full([BLOCK_M, {w} * BLOCK_N], {NEG_INF}, tl.float32)), "
+        lines += [f"    if BLOCK_N * {2 * w} <= {kp}:",
+                  f"        x{j}_w = tl.reshape(tl.join(x{j}_w, tl.full([BLOCK_M, {w} * BLOCK_N], {NEG_INF}, tl.float32)), "
                   f"[BLOCK_M, {2 * w} * BLOCK_N])"]
         w *= 2
-    return lines + [f"r{j}_c = tl.topk(tl.reshape(tl.join(r{j}_c, tl.topk(x{j}_k, {kp}, dim=1)), [BLOCK_M, {2 * kp}]), "
+    return lines + [f"    r{j}_c = tl.topk(tl.reshape(tl.join(r{j}_c, tl.topk(x{j}_w, {kp}, dim=1)), [BLOCK_M, {2 * kp}]), "
                     f"{kp}, dim=1)"]
 
 
