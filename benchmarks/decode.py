@@ -67,6 +67,18 @@ def softpick(q, k, v):
     return rectified(s.masked_fill(kv_idx > q_pos, float("-inf"))) @ v
 
 
+def top_k(q, k, v):
+    """Top-k attention (``flashlight.examples.top_k``): each query keeps its 64 largest scores of
+    the cache, as a sparse-attention indexer selects; each split keeps its own candidates and the
+    combine merges them (``codegen.split``)."""
+    H, D = q.shape[1], q.shape[-1]
+    k, v = _expand_kv(k, H), _expand_kv(v, H)
+    q_pos, kv_idx = _positions(q, k)
+    s = ((q @ k.transpose(-2, -1)) * D ** -0.5).masked_fill(kv_idx > q_pos, float("-inf"))
+    kth = s.topk(min(64, s.shape[-1]), dim=-1).values[..., -1:]
+    return torch.softmax(s.masked_fill(s < kth, float("-inf")), dim=-1) @ v
+
+
 def make_inputs(B=8, H=32, M=1, N=4096, D=128, dtype=torch.float32, device="cpu", kv_heads=KV_HEADS):
     kv_heads = min(kv_heads, H)
     q = torch.randn(B, H, M, D, dtype=dtype, device=device)

@@ -125,6 +125,7 @@ PROGRAMS: dict[str, Program] = {
                             sdpa=lambda xs: decode.sdpa_call("decode_alibi", xs)),
     "decode_threshold": Program(fn=decode.threshold, make=decode.make_inputs),
     "decode_softpick": Program(fn=decode.softpick, make=decode.make_inputs),
+    "decode_top_k": Program(fn=decode.top_k, make=decode.make_inputs),
 }
 
 
@@ -172,7 +173,8 @@ TRAINING_VARIANTS = [("causal", "causal", ()), ("alibi", "alibi", ()), ("documen
                      ("rope", "rope", ()),
                      ("rope_gqa_4", "rope", (("group", 4),))]     # Llama: RoPE, then K/V repeated
 DECODE_VARIANTS = [("decode_causal", "decode_causal"), ("decode_alibi", "decode_alibi"),
-                   ("decode_threshold", "decode_threshold"), ("decode_softpick", "decode_softpick")]   # two passes
+                   ("decode_threshold", "decode_threshold"), ("decode_softpick", "decode_softpick"),   # two passes
+                   ("decode_top_k", "decode_top_k")]
 
 FLEX_BACKENDS = ("flashlight", "flex", "flex_mask", "sdpa_cudnn", "sdpa_flash", "inductor")
 SPARSITY_BACKENDS = ("flashlight", "flex", "flex_mask")

@@ -129,6 +129,20 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+T33B)  # session 33 (~6 min): top-k's inserting merge and its split-KV decoding: the GPU tests (top-k, the
+    # two-pass decodes with decode_top_k), the beyond rows again (top_k, threshold against Inductor), the decode
+    # suite's top-k and causal rows, then split against one program per row (scripts/split_ab.py top_k)
+  timeout -k 10 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "top_k or two_pass_programs" \
+    > $OUT/test_gpu_t33b.txt 2>&1
+  echo "test_gpu rc $?"; grep -E "FAILED|ERROR|passed|failed|Error" $OUT/test_gpu_t33b.txt | cut -c1-250 | head -8
+  timeout -k 5 150 python3 -m benchmarks.run --suite beyond --only top_k,threshold --backends flashlight,inductor \
+    --no-plots --out $OUT/topk > $OUT/topk.txt 2>&1
+  echo "topk rc $?"; grep -v "^W\|Warning" $OUT/topk.txt | cut -c1-170 | tail -5
+  timeout -k 5 150 python3 -m benchmarks.run --suite decode --only decode_top_k,decode_causal \
+    --backends flashlight,inductor,eager --out $OUT/decode --no-plots > $OUT/decode.txt 2>&1
+  echo "decode rc $?"; grep -v "^W\|Warning" $OUT/decode.txt | cut -c1-200 | tail -5
+  timeout -k 5 100 python3 scripts/split_ab.py top_k causal 2>&1 | grep -v "^W\|Warning" | tail -5
+  ;;
 T33)  # session 32's top-k attention (~2 min): its GPU test (ranks 16 and 100), then the beyond suite's top_k row
     # (the example: k = 16, causal) against Inductor at D = 64 and 128, beside threshold (a 2-pass program
     # without the merge) for scale

@@ -1,5 +1,8 @@
 """A/B of split-KV decoding (session 32): the decode suite's programs with the heuristic's splits
-against FORCE_SPLITS=1 (one program per packed (M block, batch) walking every key), same process."""
+against FORCE_SPLITS=1 (one program per packed (M block, batch) walking every key), same process.
+Arguments: the programs of ``benchmarks.decode`` (default causal, threshold, softpick)."""
+import sys
+
 import torch
 import triton.testing
 
@@ -9,7 +12,7 @@ from flashlight.runtime import decode
 
 torch._dynamo.config.cache_size_limit = 64
 rows = []
-for name in ("causal", "threshold", "softpick"):
+for name in sys.argv[1:] or ("causal", "threshold", "softpick"):
     fn = getattr(programs, name)
     for N in (4096, 32768):
         q, k, v = programs.make_inputs(B=8, H=32, M=1, N=N, D=128, dtype=torch.bfloat16, device="cuda")

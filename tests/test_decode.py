@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashlight
-from flashlight.examples import decode_gqa, paged_decode, relu_attention, softpick, threshold
+from flashlight.examples import decode_gqa, paged_decode, relu_attention, softpick, threshold, top_k
 from flashlight.runtime import decode
 from flashlight.runtime.op import REGISTRY
 from flashlight.testing import reference, rel_error, to64
@@ -105,7 +105,8 @@ def _max_read_back(q, k, v):
 MULTI_PASS = {"two_pass": (_two_pass, "2-pass"), "threshold": (threshold.attention, "2-pass"),
               "softpick": (softpick.attention, "shift-gradient"),
               "twice": (test_chained.twice, "3-pass"), "adaptive": (test_chained.adaptive_temperature, "3-pass"),
-              "eps_softmax": (_eps_softmax, "shift-gradient"), "max_read_back": (_max_read_back, "shift-gradient")}
+              "eps_softmax": (_eps_softmax, "shift-gradient"), "max_read_back": (_max_read_back, "shift-gradient"),
+              "top_k": (top_k.attention, "top-k")}
 
 
 @pytest.mark.parametrize("name", list(MULTI_PASS))
@@ -113,14 +114,15 @@ def test_multi_pass_and_shift_gradient_regions_split(splits, name):
     """A split and a combine kernel per pass, each pass reading the earlier ones' final values
     from the workspace: the output of float64 eager. A max that takes a gradient (an epsilon,
     a max read back, softpick) has its argmax merged by the combine (the first split holding
-    the max): the generated backward after a split forward has float64's gradients."""
+    the max), top-k's candidates by tl.topk: the generated backward after a split forward has
+    float64's gradients."""
     from helpers import check_grads
     fn, feature = MULTI_PASS[name]
     q, k, v = torch.randn(1, 2, 3, 16) * 2, torch.randn(1, 2, 301, 16), torch.randn(1, 2, 301, 16)
     out, report = run_split(fn, q, k, v)
     assert feature in report.regions[0].features
     assert rel_error(out, reference(fn, q, k, v)) < 1e-4
-    if feature == "shift-gradient" or name == "threshold":
+    if feature == "shift-gradient" or name in ("threshold", "top_k"):
         check_grads(fn, [x.clone().requires_grad_() for x in (q, k, v)])
 
 

@@ -249,12 +249,13 @@ def test_split_kv_decoding_with_key_padding():
     assert rel_error(out, ref) < FWD_TOL
 
 
-@pytest.mark.parametrize("name", ["decode_threshold", "decode_softpick"])
+@pytest.mark.parametrize("name", ["decode_threshold", "decode_softpick", "decode_top_k"])
 def test_split_kv_decoding_of_two_pass_programs(name):
-    """Thresholded attention and softpick decoding one query per head against 8192 cached keys
-    (GQA 32/8): the heuristic splits the keys (132 SMs, 32 packed programs), a split and a
-    combine kernel per pass; softpick's argmax merged by its first combine. Against float64, and
-    the gradients of the generated backward after the split forward."""
+    """Thresholded attention, softpick and top-k (64 of the cache) decoding one query per head
+    against 8192 cached keys (GQA 32/8): the heuristic splits the keys (132 SMs, 32 packed
+    programs), a split and a combine kernel per pass; softpick's argmax and top-k's candidates
+    merged by the first combine. Against float64, and the gradients of the generated backward
+    after the split forward."""
     from benchmarks import decode
     from flashlight.runtime import decode as split_kv
     fn = getattr(decode, name.removeprefix("decode_"))

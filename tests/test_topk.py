@@ -129,12 +129,24 @@ def test_more_than_the_kernel_keeps_falls_back_with_a_reason():
     assert not report.regions and "at most 128" in str(report), str(report)
 
 
-def test_decoding_keeps_one_kernel(monkeypatch):
-    """Split-KV decoding does not merge top-k candidates across splits yet: one kernel."""
+@pytest.mark.parametrize("rank", [5, 16])
+def test_split_kv_decoding_merges_the_splits_candidates(monkeypatch, rank):
+    """Split-KV decoding: each split keeps its own candidates, the combine merges them by
+    ``tl.topk`` (``codegen.split``); then the softmax's pass splits too. GQA heads packed, a
+    sequence whose keys are fewer than the rank (every key kept) and one without keys."""
     monkeypatch.setattr(decode, "FORCE_SPLITS", 3)
-    fn = top_k(8)
-    q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16)
-    report = flashlight.explain(fn, q, k, v)
-    out = torch.compile(fn, backend="flashlight")(q, k, v)
-    assert REGISTRY[report.regions[0].key].split is False
-    assert rel_error(out, reference(fn, q, k, v)) < 1e-4
+
+    def attention(q, key, v, lens):
+        key, v = key.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        s = _scores(q, key).masked_fill(torch.arange(key.shape[2]) >= lens[:, None, None, None], float("-inf"))
+        kth = s.topk(rank, dim=-1).values[..., -1:]
+        return torch.softmax(s.masked_fill(s < kth, float("-inf")), -1).nan_to_num(0.0) @ v
+    q, k, v = torch.randn(3, 4, 1, 16), torch.randn(3, 2, 200, 16), torch.randn(3, 2, 200, 16)
+    lens = torch.tensor([200, rank - 2, 0])
+    report = flashlight.explain(attention, q, k, v, lens)
+    c = REGISTRY[report.regions[0].key]
+    before = c.split.launches if c.split else 0
+    out = torch.compile(attention, backend="flashlight")(q, k, v, lens)
+    assert c.split and c.split.launches > before and c.split.group == 2
+    assert torch.all(out[2] == 0)
+    assert rel_error(out, reference(attention, q, k, v, lens)) < 1e-4

@@ -23,6 +23,10 @@ workspace's last row block ``ws[SPLITS, batch, m, column]``, and walks its keys 
 reductions alone; the last pass's combine loads them too and runs the epilogue (a P @ V product
 of an earlier pass, stored DV wide, is read there only).
 
+A k-th largest (top-k attention's threshold): each split stores its ``kth_width`` candidates
+(the largest values of its keys) and the combine merges the splits' by ``tl.topk``; the largest
+values of the whole row are among the union of each split's largest.
+
 Partial sums over the keys (scans): each split computes them from 0 over its own keys; the keys
 of the other splits (after it, for a suffix scan) add the row constant C_s = sum of their
 totals. Where every sum reading the partial sums scales as exp(d S) (``ir.scaling.scan_degree``:
@@ -40,7 +44,7 @@ from ..ir import Region, Row, const, free_vars, refs, substitute, var, verify, w
 from ..ir.scaling import scan_degree, shift_gradients
 from ..sparsity import nonneg, nonpos
 from .emit import prelude
-from .kernel import NEG_INF, KernelWriter
+from .kernel import NEG_INF, KernelWriter, kth_value, kth_width
 
 SPLIT_ARGS = ["ws_ptr", "SPLITS", "BLOCKS_PER_SPLIT"]
 
@@ -49,10 +53,10 @@ def splittable(region: Region) -> bool:
     """The output in the tile's own layout (a permuted store's index is not rewritten by
     ``pack_heads`` and the runtime views the output as (*batch, M, DV)); partial sums over the
     keys only in one pass, and where each split's sums reading them are merged by a factor
-    (``scan_factors``); no top-k value (its candidates are not merged across splits yet)."""
+    (``scan_factors``)."""
     scans = any(rd.scan for rd in region.reductions)
     return region.out_index is None and scan_factors(region) is not None and \
-        not (scans and len(region.passes()) > 1) and all(rd.kind != "kth" for rd in region.reductions)
+        not (scans and len(region.passes()) > 1)
 
 
 def scan_factors(region: Region) -> dict[int, tuple[int, float]] | None:
@@ -114,21 +118,27 @@ def pack_heads(region: Region, max_m: int) -> tuple[Region, int] | None:
     return verify(packed), G
 
 
+def scalar_columns(red) -> int:
+    """A reduction's state columns besides DV-wide ones: 1 for a max or sum, the candidates of a
+    k-th largest (a split's; the final value takes the first), none for P @ V (DV)."""
+    return 0 if red.kind == "dot" else kth_width(red) if red.kind == "kth" else 1
+
+
 def columns(region: Region) -> tuple[list[str], dict[int, str], str]:
-    """Scratch column of each reduction's state (1 for a max or sum, DV for P @ V), of each
-    saved argmax (``argmax_columns``' maxima), and the row width, as Triton expressions over
-    the DV constexpr."""
+    """Scratch column of each reduction's state, of each saved argmax (``argmax_columns``'
+    maxima), and the row width, as Triton expressions over the DV constexpr."""
     cols, scalars, dots = [], 0, 0
     for red in region.reductions:
         cols.append(f"{scalars} + {dots} * DV")
-        scalars, dots = scalars + (red.kind != "dot"), dots + (red.kind == "dot")
+        scalars, dots = scalars + scalar_columns(red), dots + (red.kind == "dot")
     at = {j: f"{scalars + i} + {dots} * DV" for i, j in enumerate(shift_gradients(region))}
     return cols, at, f"{scalars + len(at)} + {dots} * DV"
 
 
 def width(region: Region) -> int:
     """The workspace row's width in elements (``columns``' at this DV)."""
-    return sum(region.DV if red.kind == "dot" else 1 for red in region.reductions) + len(shift_gradients(region))
+    return sum(scalar_columns(red) + (red.kind == "dot") * region.DV for red in region.reductions) + \
+        len(shift_gradients(region))
 
 
 def _ws_row(split: str) -> str:
@@ -200,13 +210,17 @@ class SplitWriter(KernelWriter):
 
     def epilogue(self) -> None:
         self.outer.lines.append("# raw states of this split; the combine kernel merges them")
-        self.store_states(self.members, _ws_row("pid_s"), lambda j: f"r{j}")
+        self.store_states(self.members, _ws_row("pid_s"), lambda j: f"r{j}", candidates=True)
 
-    def store_states(self, js: list[int], row: str, name) -> None:
-        """Store reductions ``js`` (``name(j)``: the value's name) and their argmaxes at ``row``."""
+    def store_states(self, js: list[int], row: str, name, candidates: bool = False) -> None:
+        """Store reductions ``js`` (``name(j)``: the value's name) and their argmaxes at ``row``;
+        with ``candidates``, a k-th largest's candidates instead of its value."""
         cols, at, _ = columns(self.r)
         for j in js:
-            if self.r.reductions[j].kind == "dot":
+            if candidates and self.r.reductions[j].kind == "kth":
+                self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]} + tl.arange(0, {kth_width(self.r.reductions[j])})"
+                                        f"[None, :], r{j}_c, mask=mask_m[:, None])")
+            elif self.r.reductions[j].kind == "dot":
                 self.outer.lines.append(f"tl.store(ws_ptr + {row} + {cols[j]} + offs_dv[None, :], {name(j)}, "
                                         f"mask=mask_m[:, None] & mask_dv[None, :])")
             else:
@@ -225,7 +239,8 @@ class CombineWriter(SplitWriter):
         row = _ws_row("s")
         self.load_earlier(epilogue=self.last)
         maxes = [j for j in self.members if r.reductions[j].kind == "max"]
-        others = [j for j in self.members if r.reductions[j].kind != "max"]
+        kths = [j for j in self.members if r.reductions[j].kind == "kth"]
+        others = [j for j in self.members if r.reductions[j].kind not in ("max", "kth")]
         lines += [f"r{j} = tl.full([BLOCK_M, 1], {NEG_INF}, tl.float32)" for j in maxes]
         lines += [f"r{j}_at = tl.full([BLOCK_M, 1], -1, tl.int32)" for j in maxes if j in at]
         lines += ["for s in range(0, SPLITS):"] if maxes else []
@@ -236,6 +251,13 @@ class CombineWriter(SplitWriter):
                              f"mask=mask_m[:, None], other=-1.0).to(tl.int32), r{j}_at)")
             lines.append(f"    r{j} = tl.maximum(r{j}, m{j})")
         lines += [f"r{j}_safe = tl.where(r{j} == {NEG_INF}, 0.0, r{j})" for j in maxes]
+        for j in kths:      # the candidates of every split, merged by tl.topk
+            kp = kth_width(r.reductions[j])
+            lines += [f"r{j}_c = tl.full([BLOCK_M, {kp}], {NEG_INF}, tl.float32)", "for s in range(0, SPLITS):",
+                      f"    c{j} = tl.load(ws_ptr + {row} + {cols[j]} + tl.arange(0, {kp})[None, :], mask=mask_m[:, None], "
+                      f"other={NEG_INF})",
+                      f"    r{j}_c = tl.topk(tl.reshape(tl.join(r{j}_c, c{j}), [BLOCK_M, {2 * kp}]), {kp}, dim=1)"]
+            lines += kth_value(j, r.reductions[j])
         for j in self.members:     # what store_rowstats reads (as after a pass)
             self.em.red_names[j] = f"r{j}_safe" if r.reductions[j].kind == "max" else f"r{j}"
         for j in others:
