@@ -101,6 +101,47 @@ def test_each_merge_alone(monkeypatch, inserts, program):
     assert f"<= {inserts}:" in REGISTRY[report.regions[0].key].source
 
 
+SPELLINGS = {   # a row threshold over 150 keys: past KTH_MAX from the largest end, some are counted from the smallest
+    "kthvalue": lambda s: s.kthvalue(s.shape[-1] - 3, -1, keepdim=True).values,          # the 4th largest
+    "kthvalue_squeezed": lambda s: s.kthvalue(2, -1).values[..., None],                  # the 149th: -(2nd of -s)
+    "sort": lambda s: s.sort(-1, descending=True).values[..., 4:5],
+    "sort_stable_ascending": lambda s: torch.sort(s, dim=-1, stable=True).values[..., 1:2],
+    "amin_of_topk": lambda s: s.topk(6, -1).values.amin(-1, keepdim=True),
+    "min_of_smallest": lambda s: s.topk(3, -1, largest=False).values.max(-1, keepdim=True).values,
+}
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_order_statistic_spellings(name):
+    """Other spellings of a row's k-th value: ``kthvalue``, ``sort`` (stable or not) read at a
+    constant position, the min or max of sorted top-k values; a rank past KTH_MAX from one end is
+    counted from the other (``rules._ranked``). Outputs and gradients against float64."""
+    thr = SPELLINGS[name]
+
+    def attention(q, key, v):
+        s = _scores(q, key)
+        return torch.softmax(torch.where(s >= thr(s), s, float("-inf")), -1) @ v
+    q, k, v = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 150, 16), torch.randn(1, 2, 150, 16)
+    _, report = check_fused(attention, q, k, v)
+    assert "top-k" in report.regions[0].features
+    check_grads(attention, [x.clone().requires_grad_() for x in (q, k, v)])
+
+
+def test_a_rank_far_from_both_ends_falls_back_with_a_reason():
+    def median(q, key, v):
+        s = _scores(q, key)
+        return torch.softmax(s.masked_fill(s < s.median(-1, keepdim=True).values, float("-inf")), -1) @ v
+
+    def sorted_median(q, key, v):
+        s = _scores(q, key)
+        t = s.sort(-1).values[..., 150:151]
+        return torch.softmax(s.masked_fill(s < t, float("-inf")), -1) @ v
+    q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 300, 16), torch.randn(1, 1, 300, 16)
+    report = flashlight.explain(sorted_median, q, k, v)
+    assert not report.regions and "the 150-th largest of 300" in str(report), str(report)
+    assert not flashlight.explain(median, q, k, v).regions
+
+
 def test_ties_at_the_threshold_are_kept():
     """Scores with many equal values (integer-valued q and k): every key equal to the k-th
     largest stays, as eager's ``s < kth`` keeps it (duplicates count toward k)."""

@@ -314,30 +314,101 @@ def _values(b, node, parent, i):
     return (_amax if parent.target.overloadpacket == aten.max else _amin)(b, node, x, dim, keepdim)
 
 
+def _ranked(b, node, body: Expr, r: int) -> Expr:
+    """The ``r``-th largest of ``body`` over the N keys (1 <= r <= N): a ``kth`` reduction of rank
+    r, or, where r is past ``KTH_MAX``, minus the (N + 1 - r)-th largest of -body (the same value
+    counted from the smallest: sorts read near their end, ``kthvalue``)."""
+    if r <= KTH_MAX:
+        return b.add_reduction("kth", body, rank=r)
+    if b.N + 1 - r <= KTH_MAX:
+        return call("neg", b.add_reduction("kth", call("neg", body), rank=b.N + 1 - r))
+    raise Unsupported(f"the {r}-th largest of {b.N}: a kernel keeps at most {KTH_MAX} values per row, "
+                      "counted from either end", node)
+
+
+def _sort_order(parent: fx.Node) -> bool | None:
+    """Are the values of a ``topk`` or ``sort`` node in descending order (False: ascending, None:
+    unsorted)? ``sort.stable`` sorts the values as ``sort`` does."""
+    if parent.target.overloadpacket == aten.topk:
+        _, _, *rest = parent.args
+        largest = rest[1] if len(rest) > 1 else parent.kwargs.get("largest", True)
+        return largest if (rest[2] if len(rest) > 2 else parent.kwargs.get("sorted", True)) else None
+    if parent.target._overloadname == "stable":
+        return parent.kwargs.get("descending", False)
+    return parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("descending", False)
+
+
+def _order_stats(b, node, x, dim, rank: Callable[[int], int], shape=None) -> Sym | None:
+    """Sorted values of x over the keys read at constant positions c: entry c is the
+    ``rank(c)``-th largest (``_ranked``); ``shape`` the values' (the node's by default)."""
+    s = b.sym(x)
+    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1 or s.shape[-1] != b.N:
+        return None
+
+    def fn(idx):
+        if idx[-1].op != "const" or any("n" in free_vars(e) for e in idx[:-1]):
+            raise Unsupported("sorted or top-k values read at a varying position (a slice such as "
+                              "[..., -1:] reads one entry)", node)
+        return _ranked(b, node, s(idx[:-1] + (b.n,)), rank(int(idx[-1].args[0]) % s.shape[-1]))
+    return Sym(shape or out_shape(node), "f", fn)
+
+
 def _topk_values(b, node, parent, i):
     """``topk(x, k).values`` over the keys: entry c of a row is the (c + 1)-th largest value
-    (a ``kth`` reduction; the smallest with ``largest=False``: -kth of -x), read at constant
-    positions — top-k attention's threshold ``[..., -1:]``. Its indices stay leaves."""
+    (the (c + 1)-th smallest with ``largest=False``), read at constant positions — top-k
+    attention's threshold ``[..., -1:]``. Its indices stay leaves."""
     if i != 0:
         return None
     x, k, *rest = parent.args
     dim = rest[0] if rest else parent.kwargs.get("dim", -1)
-    largest = rest[1] if len(rest) > 1 else parent.kwargs.get("largest", True)
-    ordered = rest[2] if len(rest) > 2 else parent.kwargs.get("sorted", True)
-    s = b.sym(x)
-    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1 or s.shape[-1] != b.N or not ordered or \
-            not isinstance(k, int):
+    largest = _sort_order(parent)
+    if largest is None or not isinstance(k, int):
         return None     # (unsorted values: no entry is a rank; a symbolic k: no fixed candidates)
     if not 1 <= k <= KTH_MAX:
         raise Unsupported(f"topk with k = {k}: a kernel keeps at most {KTH_MAX} values per row", node)
+    return _order_stats(b, node, x, dim, lambda c: c + 1 if largest else b.N - c)
 
-    def fn(idx):
-        if idx[-1].op != "const" or any("n" in free_vars(e) for e in idx[:-1]):
-            raise Unsupported("top-k values read at a varying position", node)
-        body = s(idx[:-1] + (b.n,))
-        kth = lambda e: b.add_reduction("kth", e, rank=int(idx[-1].args[0]) + 1)  # noqa: E731
-        return kth(body) if largest else call("neg", kth(call("neg", body)))
-    return Sym(out_shape(node), "f", fn)
+
+def _sort_values(b, node, parent, i):
+    """``sort(x).values`` over the keys (``stable`` or not: the values are the same), read at
+    constant positions: entry c is the (c + 1)-th largest descending, the (c + 1)-th smallest
+    ascending. Its indices stay leaves."""
+    if i != 0:
+        return None
+    x, *rest = parent.args
+    stable = parent.target._overloadname == "stable"
+    dim = parent.kwargs.get("dim", -1) if stable or not rest else rest[0]
+    descending = _sort_order(parent)
+    return _order_stats(b, node, x, dim, lambda c: c + 1 if descending else b.N - c)
+
+
+def _kthvalue_values(b, node, parent, i):
+    """``kthvalue(x, k).values`` over the keys: the k-th smallest, the (N + 1 - k)-th largest."""
+    if i != 0:
+        return None
+    x, k, *rest = parent.args
+    dim = rest[0] if rest else parent.kwargs.get("dim", -1)
+    keepdim = rest[1] if len(rest) > 1 else parent.kwargs.get("keepdim", False)
+    if not isinstance(k, int) or not 1 <= k <= b.N:
+        return None
+    stats = _order_stats(b, node, x, dim, lambda c: b.N + 1 - k, shape=b.sym(x).shape[:-1] + (1,))
+    if stats is None:
+        return None
+    return Sym(out_shape(node), "f", lambda idx: stats((idx[:-1] if keepdim else idx) + (const(0),)))
+
+
+def _sorted_end(b, node, x, dims, keepdim: bool, largest: bool) -> Sym | None:
+    """The max (``largest``) or min over the last dim of sorted values (``topk``'s, ``sort``'s):
+    their first or last entry (``topk(k).values.amin(-1)`` is the k-th largest)."""
+    if not (isinstance(x, fx.Node) and x.target is operator.getitem and x.args[1] == 0 and
+            isinstance(x.args[0], fx.Node) and getattr(x.args[0].target, "overloadpacket", None) in (aten.topk, aten.sort)):
+        return None
+    descending, s = _sort_order(x.args[0]), b.sym(x)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if descending is None or len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
+        return None
+    pos = const(0 if largest == descending else s.shape[-1] - 1)
+    return Sym(out_shape(node), "f", lambda idx: s((idx[:-1] if keepdim else idx) + (pos,)))
 
 
 def _split_item(b, node, parent, i):
@@ -503,11 +574,11 @@ def _log_softmax(b, node, x, dim, *_, **__):
 
 
 def _amax(b, node, x, dims=(), keepdim=False):
-    return _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
+    return _sorted_end(b, node, x, dims, keepdim, largest=True) or _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
 
 
 def _amin(b, node, x, dims=(), keepdim=False):     # min_n x = -max_n(-x)
-    return _reduce_last(b, node, x, dims, keepdim,
+    return _sorted_end(b, node, x, dims, keepdim, largest=False) or _reduce_last(b, node, x, dims, keepdim,
                         lambda bb, body, size: call("neg", bb.add_reduction("max", call("neg", body), size=size)))
 
 
@@ -930,6 +1001,7 @@ RULES.update({
 })
 # ops returning several tensors: op -> rule for item i
 ITEMS = {aten.split: _split_item, aten.chunk: _split_item, aten.split_with_sizes: _split_item,
-         aten.max: _values, aten.min: _values, aten.topk: _topk_values}
+         aten.max: _values, aten.min: _values, aten.topk: _topk_values, aten.sort: _sort_values,
+         aten.kthvalue: _kthvalue_values}
 RULES[operator.getitem] = _item
 RULES.update({inplace: _inplace(op) for inplace, op in INPLACE.items()})
