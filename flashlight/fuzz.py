@@ -46,6 +46,14 @@ class Program:
     oracle: object = None       # the float64 reference's program, when it must differ from ``fn``
 
 
+KTH_SPELLINGS = {      # a row's k-th largest score, as models write it
+    "topk": lambda s, k: s.topk(k, dim=-1).values[..., -1:],
+    "kthvalue": lambda s, k: s.kthvalue(s.shape[-1] + 1 - k, -1, keepdim=True).values,
+    "sort": lambda s, k: s.sort(-1, descending=True).values[..., k - 1:k],
+    "amin": lambda s, k: s.topk(k, dim=-1).values.amin(-1, keepdim=True),
+}
+
+
 def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = True, scans: bool = True,
                  top_k: bool = True) -> Program:
     """A random program. ``sizes`` overrides the drawn sizes (``B``, ``H``, ``M``, ``N``, ``D``,
@@ -190,7 +198,7 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
             if keep is not None:
                 s = s.masked_fill(~keep, fill) if rng_fill_style else torch.where(keep, s, fill)
             if k_top:                       # each row's top-k scores alone: a pass keeps the k-th largest
-                s = s.masked_fill(s < s.topk(min(k_top, N), dim=-1).values[..., -1:], fill)
+                s = s.masked_fill(s < KTH_SPELLINGS[k_spelling](s, min(k_top, N)), fill)
             if sink:                        # one more column per row, dropped after the softmax
                 s = torch.cat([s, ex["sinks"].view(1, H, 1, 1).expand(B, H, M, 1)], dim=-1)
             if spelling == "torch":
@@ -291,13 +299,15 @@ def make_program(rng: random.Random, sizes: dict | None = None, stops: bool = Tr
     # top-k attention's threshold, s.topk(k).values[..., -1:] (drawn last, likewise)
     k_top = rng.choice([0] * 7 + [3, 8, 20])
     k_top = k_top if scans and top_k and not sdpa else 0
+    # the threshold's spelling (drawn last, likewise)
+    k_spelling = rng.choice(["topk"] * 3 + sorted(set(KTH_SPELLINGS) - {"topk"}))
     desc = (f"B={B} H={H} Hkv={Hkv} M={M} N={N} D={D} Dv={Dv} gqa={gqa} bshd={bshd} scale={scale_at} "
             f"mask={mask} fill={fill} bias={bias} softcap={softcap} softmax={spelling} "
             f"window={window} prefix={prefix} epilogue={epilogue} second={second} sink={sink} stop={stop} "
             f"sdpa={sdpa} checkpointed={checkpointed} around={around} norm={norm} packed={packed} "
             f"combined={combined} nan_scores={nan_scores} position={position} contract={contract} "
             f"kv_broadcast={kv_broadcast} rotary_part={'qr' in extra} shift={shift} scan={scan} post={post} "
-            f"detach_shift={detach_shift} top_k={k_top}")
+            f"detach_shift={detach_shift} top_k={k_top}" + (f" via {k_spelling}" if k_top else ""))
     fn = (lambda *xs: torch.utils.checkpoint.checkpoint(program, *xs, use_reentrant=False)) if checkpointed else \
         (lambda q, *xs: program(torch.utils.checkpoint.checkpoint(torch.mul, q, 1.0, use_reentrant=False), *xs)) \
         if around else program

@@ -349,7 +349,7 @@ def _order_stats(b, node, x, dim, rank: Callable[[int], int], shape=None) -> Sym
         if idx[-1].op != "const" or any("n" in free_vars(e) for e in idx[:-1]):
             raise Unsupported("sorted or top-k values read at a varying position (a slice such as "
                               "[..., -1:] reads one entry)", node)
-        return _ranked(b, node, s(idx[:-1] + (b.n,)), rank(int(idx[-1].args[0]) % s.shape[-1]))
+        return _ranked(b, node, s(idx[:-1] + (b.n,)), rank(int(idx[-1].args[0])))
     return Sym(shape or out_shape(node), "f", fn)
 
 
@@ -574,12 +574,14 @@ def _log_softmax(b, node, x, dim, *_, **__):
 
 
 def _amax(b, node, x, dims=(), keepdim=False):
-    return _sorted_end(b, node, x, dims, keepdim, largest=True) or _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
+    return _sorted_end(b, node, x, dims, keepdim, largest=True) or \
+        _reduce_last(b, node, x, dims, keepdim, lambda bb, body, size: bb.add_reduction("max", body, size=size))
 
 
 def _amin(b, node, x, dims=(), keepdim=False):     # min_n x = -max_n(-x)
-    return _sorted_end(b, node, x, dims, keepdim, largest=False) or _reduce_last(b, node, x, dims, keepdim,
-                        lambda bb, body, size: call("neg", bb.add_reduction("max", call("neg", body), size=size)))
+    return _sorted_end(b, node, x, dims, keepdim, largest=False) or \
+        _reduce_last(b, node, x, dims, keepdim,
+                     lambda bb, body, size: call("neg", bb.add_reduction("max", call("neg", body), size=size)))
 
 
 def _sum_dv(b: Builder, node, x, scale: float) -> Sym:
