@@ -1,3 +1,6 @@
+# Session 34's plan (session 33: docs/notes.md "Session 33"; three H100 calls, no H200): leave kind out; if an H200
+#   comes: F (#6), then LIMIT=250 TR (#5). On an H100: T33B (the decode suite's top-k row against Inductor, the
+#   beyond rows after the inserting merge).
 # Session 33's plan (session 32: docs/notes.md "Session 32": S32 ran on an H100, then the GPU tests in full (76
 #   passed), TR, F twice, the top-k GPU test and beyond rows). Leave kind out; if an H200 comes: F (#6), then
 #   LIMIT=250 TR (#5). On an H100: T33 (top-k's merge: the GPU test and the beyond row, k = 16 and 64).
