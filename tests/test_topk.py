@@ -129,6 +129,24 @@ def test_order_statistic_spellings(name):
         check_grads(attention, [x.clone().requires_grad_() for x in (q, k, v)])
 
 
+def test_extremes_of_values_sorted_along_another_dim_are_reductions():
+    """The max over the keys of a bias's top-3 along the queries, and the max and min of values
+    sorted along a head-sized dim: only values sorted along the reduced dim have their extreme
+    at an end (``_sorted_end``); the first was read at entry 0 (relative error 0.42)."""
+    def along_queries(q, key, v, bias):
+        t = bias.topk(3, dim=-2).values.amax(-1, keepdim=True)
+        return torch.softmax(_scores(q, key) + t[..., :1, :] * bias, -1) @ v
+
+    def along_keys(q, key, v, bias):
+        t = bias.sort(-1).values.amax(-1, keepdim=True) + \
+            bias[..., :8].sort(-1, descending=True).values.amin(-1, keepdim=True)
+        return torch.softmax(_scores(q, key) + t, -1) @ v
+    q, k, v, bias = torch.randn(1, 2, 37, 16), torch.randn(1, 2, 45, 16), torch.randn(1, 2, 45, 16), \
+        torch.randn(1, 2, 37, 45)
+    check_fused(along_queries, q, k, v, bias)
+    check_fused(along_keys, q, k, v, bias)
+
+
 def test_a_rank_far_from_both_ends_falls_back_with_a_reason():
     def median(q, key, v):
         s = _scores(q, key)

@@ -326,16 +326,15 @@ def _ranked(b, node, body: Expr, r: int) -> Expr:
                       "counted from either end", node)
 
 
-def _sort_order(parent: fx.Node) -> bool | None:
-    """Are the values of a ``topk`` or ``sort`` node in descending order (False: ascending, None:
-    unsorted)? ``sort.stable`` sorts the values as ``sort`` does."""
+def _sort_order(parent: fx.Node) -> tuple[bool | None, int]:
+    """The order of a ``topk`` or ``sort`` node's values — True descending, False ascending, None
+    unsorted — and the dim it sorts (``sort.stable`` takes both as keywords)."""
+    arg = lambda i, name, default: parent.args[i] if len(parent.args) > i else parent.kwargs.get(name, default)  # noqa: E731
     if parent.target.overloadpacket == aten.topk:
-        _, _, *rest = parent.args
-        largest = rest[1] if len(rest) > 1 else parent.kwargs.get("largest", True)
-        return largest if (rest[2] if len(rest) > 2 else parent.kwargs.get("sorted", True)) else None
+        return (arg(3, "largest", True) if arg(4, "sorted", True) else None), arg(2, "dim", -1)
     if parent.target._overloadname == "stable":
-        return parent.kwargs.get("descending", False)
-    return parent.args[2] if len(parent.args) > 2 else parent.kwargs.get("descending", False)
+        return parent.kwargs.get("descending", False), parent.kwargs.get("dim", -1)
+    return arg(2, "descending", False), arg(1, "dim", -1)
 
 
 def _order_stats(b, node, x, dim, rank: Callable[[int], int], shape=None) -> Sym | None:
@@ -359,9 +358,8 @@ def _topk_values(b, node, parent, i):
     attention's threshold ``[..., -1:]``. Its indices stay leaves."""
     if i != 0:
         return None
-    x, k, *rest = parent.args
-    dim = rest[0] if rest else parent.kwargs.get("dim", -1)
-    largest = _sort_order(parent)
+    x, k, *_ = parent.args
+    largest, dim = _sort_order(parent)
     if largest is None or not isinstance(k, int):
         return None     # (unsorted values: no entry is a rank; a symbolic k: no fixed candidates)
     if not 1 <= k <= KTH_MAX:
@@ -375,11 +373,8 @@ def _sort_values(b, node, parent, i):
     ascending. Its indices stay leaves."""
     if i != 0:
         return None
-    x, *rest = parent.args
-    stable = parent.target._overloadname == "stable"
-    dim = parent.kwargs.get("dim", -1) if stable or not rest else rest[0]
-    descending = _sort_order(parent)
-    return _order_stats(b, node, x, dim, lambda c: c + 1 if descending else b.N - c)
+    descending, dim = _sort_order(parent)
+    return _order_stats(b, node, parent.args[0], dim, lambda c: c + 1 if descending else b.N - c)
 
 
 def _kthvalue_values(b, node, parent, i):
@@ -398,14 +393,16 @@ def _kthvalue_values(b, node, parent, i):
 
 
 def _sorted_end(b, node, x, dims, keepdim: bool, largest: bool) -> Sym | None:
-    """The max (``largest``) or min over the last dim of sorted values (``topk``'s, ``sort``'s):
-    their first or last entry (``topk(k).values.amin(-1)`` is the k-th largest)."""
+    """The max (``largest``) or min over the last dim of values sorted along it (``topk``'s,
+    ``sort``'s): their first or last entry (``topk(k).values.amin(-1)`` is the k-th largest)."""
     if not (isinstance(x, fx.Node) and x.target is operator.getitem and x.args[1] == 0 and
             isinstance(x.args[0], fx.Node) and getattr(x.args[0].target, "overloadpacket", None) in (aten.topk, aten.sort)):
         return None
-    descending, s = _sort_order(x.args[0]), b.sym(x)
+    (descending, sorted_dim), s = _sort_order(x.args[0]), b.sym(x)
     dims = [dims] if isinstance(dims, int) else list(dims)
-    if descending is None or len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != len(s.shape) - 1:
+    last = len(s.shape) - 1
+    if descending is None or len(dims) != 1 or _norm_dim(dims[0], len(s.shape)) != last or \
+            _norm_dim(sorted_dim, len(s.shape)) != last:
         return None
     pos = const(0 if largest == descending else s.shape[-1] - 1)
     return Sym(out_shape(node), "f", lambda idx: s((idx[:-1] if keepdim else idx) + (pos,)))
