@@ -76,15 +76,17 @@ def test_top_k_fuses_and_trains(name):
 
 
 @pytest.mark.parametrize("inserts", [-1, None], ids=["topk", "default"])
-@pytest.mark.parametrize("rank", [20, 61])
+@pytest.mark.parametrize("rank", [20, 33])
 def test_ranks_wider_than_a_key_block(monkeypatch, rank, inserts):
-    """Ranks 20 and 61 keep 32 and 64 candidates, more than the interpreter's 16-key blocks: a
+    """Ranks 20 and 33 keep 32 and 64 candidates, more than the interpreter's 16-key blocks: a
     block merged by ``tl.topk`` is widened with -inf first (``kernel.kth_merge``), once and twice;
     by default such narrow blocks are inserted value by value."""
     if inserts is not None:
         monkeypatch.setattr(kernel, "kth_inserts", lambda red: inserts)
-    q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 83, 16), torch.randn(1, 1, 83, 16)
-    check_fused(top_k(rank), q, k, v)
+    N = 2 * rank + 28       # the rank nearer the largest end (counted from the other past N / 2)
+    q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, N, 16), torch.randn(1, 1, N, 16)
+    _, report = check_fused(top_k(rank), q, k, v)
+    assert f"rank={rank}" in str(REGISTRY[report.regions[0].key].region), REGISTRY[report.regions[0].key].region
 
 
 @pytest.mark.parametrize("inserts", [-1, 10 ** 6], ids=["topk_only", "inserts_only"])
@@ -147,6 +149,15 @@ def test_extremes_of_values_sorted_along_another_dim_are_reductions():
     check_fused(along_keys, q, k, v, bias)
 
 
+def test_sorted_values_read_whole_are_loaded():
+    """A bias sorted along the keys and added whole: the sorted values are computed outside the
+    region and loaded (only entries read at a constant position are order statistics)."""
+    def sorted_bias(q, key, v, b):
+        return torch.softmax(_scores(q, key) + b.sort(-1).values, -1) @ v
+    check_fused(sorted_bias, torch.randn(1, 2, 6, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16),
+                torch.randn(6, 40))
+
+
 def test_a_rank_far_from_both_ends_falls_back_with_a_reason():
     def median(q, key, v):
         s = _scores(q, key)
@@ -184,13 +195,16 @@ def test_a_threshold_read_arithmetically_keeps_the_reference_backward():
 
 
 def test_more_than_the_kernel_keeps_falls_back_with_a_reason():
+    """The 200th largest of 1000 keys is past KTH_MAX from both ends; of 300 keys it is the
+    101st smallest (``rules._ranked``), which fuses."""
     fn = top_k(200)
-    q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 300, 16), torch.randn(1, 1, 300, 16)
+    q, k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 1000, 16), torch.randn(1, 1, 1000, 16)
     report = flashlight.explain(fn, q, k, v)
     assert not report.regions and "at most 128" in str(report), str(report)
+    assert flashlight.explain(fn, q, k[:, :, :300], v[:, :, :300]).regions
 
 
-@pytest.mark.parametrize("rank", [5, 16])
+@pytest.mark.parametrize("rank", [16])
 def test_split_kv_decoding_merges_the_splits_candidates(monkeypatch, rank):
     """Split-KV decoding: each split keeps its own candidates, the combine merges them by
     ``tl.topk`` (``codegen.split``); then the softmax's pass splits too. GQA heads packed, a

@@ -316,9 +316,9 @@ def _values(b, node, parent, i):
 
 def _ranked(b, node, body: Expr, r: int) -> Expr:
     """The ``r``-th largest of ``body`` over the N keys (1 <= r <= N): a ``kth`` reduction of rank
-    r, or, where r is past ``KTH_MAX``, minus the (N + 1 - r)-th largest of -body (the same value
-    counted from the smallest: sorts read near their end, ``kthvalue``)."""
-    if r <= KTH_MAX:
+    r, or minus the (N + 1 - r)-th largest of -body (the same value counted from the smallest:
+    ``kthvalue``, ``largest=False``, sorts read near their end), whichever keeps fewer candidates."""
+    if r <= b.N + 1 - r and r <= KTH_MAX:
         return b.add_reduction("kth", body, rank=r)
     if b.N + 1 - r <= KTH_MAX:
         return call("neg", b.add_reduction("kth", call("neg", body), rank=b.N + 1 - r))
@@ -339,15 +339,17 @@ def _sort_order(parent: fx.Node) -> tuple[bool | None, int]:
 
 def _order_stats(b, node, x, dim, rank: Callable[[int], int], shape=None) -> Sym | None:
     """Sorted values of x over the keys read at constant positions c: entry c is the
-    ``rank(c)``-th largest (``_ranked``); ``shape`` the values' (the node's by default)."""
+    ``rank(c)``-th largest (``_ranked``); read elsewhere, the values are loaded (computed outside
+    the region). ``shape``: the values' where the node is not them (``kthvalue``'s one entry)."""
     s = b.sym(x)
     if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1 or s.shape[-1] != b.N:
         return None
 
     def fn(idx):
         if idx[-1].op != "const" or any("n" in free_vars(e) for e in idx[:-1]):
-            raise Unsupported("sorted or top-k values read at a varying position (a slice such as "
-                              "[..., -1:] reads one entry)", node)
+            if shape is not None:
+                raise Unsupported("an order statistic read at a varying key position", node)
+            return b.leaf(node)(idx)    # the values as a whole: computed outside, loaded
         return _ranked(b, node, s(idx[:-1] + (b.n,)), rank(int(idx[-1].args[0])))
     return Sym(shape or out_shape(node), "f", fn)
 
@@ -362,8 +364,6 @@ def _topk_values(b, node, parent, i):
     largest, dim = _sort_order(parent)
     if largest is None or not isinstance(k, int):
         return None     # (unsorted values: no entry is a rank; a symbolic k: no fixed candidates)
-    if not 1 <= k <= KTH_MAX:
-        raise Unsupported(f"topk with k = {k}: a kernel keeps at most {KTH_MAX} values per row", node)
     return _order_stats(b, node, x, dim, lambda c: c + 1 if largest else b.N - c)
 
 
