@@ -314,15 +314,16 @@ def _values(b, node, parent, i):
     return (_amax if parent.target.overloadpacket == aten.max else _amin)(b, node, x, dim, keepdim)
 
 
-def _ranked(b, node, body: Expr, r: int) -> Expr:
-    """The ``r``-th largest of ``body`` over the N keys (1 <= r <= N): a ``kth`` reduction of rank
-    r, or minus the (N + 1 - r)-th largest of -body (the same value counted from the smallest:
-    ``kthvalue``, ``largest=False``, sorts read near their end), whichever keeps fewer candidates."""
-    if r <= b.N + 1 - r and r <= KTH_MAX:
-        return b.add_reduction("kth", body, rank=r)
-    if b.N + 1 - r <= KTH_MAX:
-        return call("neg", b.add_reduction("kth", call("neg", body), rank=b.N + 1 - r))
-    raise Unsupported(f"the {r}-th largest of {b.N}: a kernel keeps at most {KTH_MAX} values per row, "
+def _ranked(b, node, body: Expr, r: int, size: int) -> Expr:
+    """The ``r``-th largest of ``body`` over ``size`` key positions (1 <= r <= size): a ``kth``
+    reduction of rank r, or minus the (size + 1 - r)-th largest of -body (the same value counted
+    from the smallest: ``kthvalue``, ``largest=False``, sorts read near their end), whichever
+    keeps fewer candidates."""
+    if r <= size + 1 - r and r <= KTH_MAX:
+        return b.add_reduction("kth", body, size=size, rank=r)
+    if size + 1 - r <= KTH_MAX:
+        return call("neg", b.add_reduction("kth", call("neg", body), size=size, rank=size + 1 - r))
+    raise Unsupported(f"the {r}-th largest of {size}: a kernel keeps at most {KTH_MAX} values per row, "
                       "counted from either end", node)
 
 
@@ -337,21 +338,19 @@ def _sort_order(parent: fx.Node) -> tuple[bool | None, int]:
     return arg(2, "descending", False), arg(1, "dim", -1)
 
 
-def _order_stats(b, node, x, dim, rank: Callable[[int], int], shape=None) -> Sym | None:
+def _order_stats(b, node, x, dim, rank: Callable[[int], int]) -> Sym | None:
     """Sorted values of x over the keys read at constant positions c: entry c is the
     ``rank(c)``-th largest (``_ranked``); read elsewhere, the values are loaded (computed outside
-    the region). ``shape``: the values' where the node is not them (``kthvalue``'s one entry)."""
+    the region)."""
     s = b.sym(x)
     if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1 or s.shape[-1] != b.N:
         return None
 
     def fn(idx):
         if idx[-1].op != "const" or any("n" in free_vars(e) for e in idx[:-1]):
-            if shape is not None:
-                raise Unsupported("an order statistic read at a varying key position", node)
             return b.leaf(node)(idx)    # the values as a whole: computed outside, loaded
-        return _ranked(b, node, s(idx[:-1] + (b.n,)), rank(int(idx[-1].args[0])))
-    return Sym(shape or out_shape(node), "f", fn)
+        return _ranked(b, node, s(idx[:-1] + (b.n,)), rank(int(idx[-1].args[0])), b.N)
+    return Sym(out_shape(node), "f", fn)
 
 
 def _topk_values(b, node, parent, i):
@@ -378,7 +377,8 @@ def _sort_values(b, node, parent, i):
 
 
 def _kthvalue_values(b, node, parent, i):
-    """``kthvalue(x, k).values`` over the keys: the k-th smallest, the (N + 1 - k)-th largest."""
+    """``kthvalue(x, k).values`` over the keys: the k-th smallest, the (N + 1 - k)-th largest, a
+    reduction as ``amax`` is."""
     if i != 0:
         return None
     x, k, *rest = parent.args
@@ -386,10 +386,7 @@ def _kthvalue_values(b, node, parent, i):
     keepdim = rest[1] if len(rest) > 1 else parent.kwargs.get("keepdim", False)
     if not isinstance(k, int) or not 1 <= k <= b.N:
         return None
-    stats = _order_stats(b, node, x, dim, lambda c: b.N + 1 - k, shape=b.sym(x).shape[:-1] + (1,))
-    if stats is None:
-        return None
-    return Sym(out_shape(node), "f", lambda idx: stats((idx[:-1] if keepdim else idx) + (const(0),)))
+    return _reduce_last(b, node, x, dim, keepdim, lambda bb, body, size: _ranked(bb, node, body, size + 1 - k, size))
 
 
 def _sorted_end(b, node, x, dims, keepdim: bool, largest: bool) -> Sym | None:
