@@ -111,6 +111,9 @@ SPELLINGS = {   # a row threshold over 150 keys: past KTH_MAX from the largest e
     "sort_stable_ascending": lambda s: torch.sort(s, dim=-1, stable=True).values[..., 1:2],
     "amin_of_topk": lambda s: s.topk(6, -1).values.amin(-1, keepdim=True),
     "min_of_smallest": lambda s: s.topk(3, -1, largest=False).values.max(-1, keepdim=True).values,
+    "topk_index_list": lambda s: s.topk(5, -1).values[..., [-1]],                  # a graph constant
+    "sort_index_select": lambda s: s.sort(-1, descending=True).values.index_select(
+        -1, torch.tensor([2], device=s.device)),
 }
 
 
@@ -128,7 +131,7 @@ def test_order_statistic_spellings(name):
     q, k, v = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 150, 16), torch.randn(1, 2, 150, 16)
     _, report = check_fused(attention, q, k, v)
     assert "top-k" in report.regions[0].features
-    if name in ("kthvalue_squeezed", "amin_of_topk"):
+    if name in ("kthvalue_squeezed", "amin_of_topk", "topk_index_list"):
         check_grads(attention, [x.clone().requires_grad_() for x in (q, k, v)])
 
 

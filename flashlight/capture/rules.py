@@ -469,6 +469,22 @@ def _gather(b, node, x, dim, index, sparse_grad=False):
     return Sym(shape, sx.kind, lambda idx: sx(idx[:dim] + (si(idx),) + idx[dim + 1:]))
 
 
+def _detach_inplace(b, node, x):
+    """``x.detach_()`` of a value no gradient reaches (``torch.tensor([2])`` traced: a constant
+    detached in place) is x; one that carries a gradient stays a leaf: eager stops it there."""
+    return None if carries_grad(x) else _identity(b, node, x)
+
+
+def _index_select(b, node, x, dim, index):
+    """``x.index_select(dim, index)``: x read at ``index[i]`` along ``dim`` (a constant index
+    list picks sorted values' entries: top-k's threshold)."""
+    sx, si = b.sym(x), b.sym(index)
+    if si.kind != "i" or len(si.shape) != 1:
+        return None
+    dim = _norm_dim(dim, len(sx.shape))
+    return Sym(out_shape(node), sx.kind, lambda idx: sx(idx[:dim] + (si((idx[dim],)),) + idx[dim + 1:]))
+
+
 # -- index generators -------------------------------------------------------------------------
 def _arange(b, node, *args, **kwargs):
     nums = [a for a in args if isinstance(a, (int, float))]
@@ -968,6 +984,7 @@ RULES.update({
     # casts and no-ops
     aten.to: _cast, aten._to_copy: _cast, aten.type_as: _cast, aten.clone: _identity,
     aten.contiguous: _identity, aten.alias: _identity, aten.detach: _identity,
+    aten.lift_fresh_copy: _identity, aten.detach_: _detach_inplace,
     aten.dropout: _dropout,
     # views
     aten.permute: _permute, aten.transpose: _transpose, aten.t: _t, aten.mT: _mT,
@@ -976,7 +993,7 @@ RULES.update({
     aten.flatten: _reshape, aten.unflatten: _reshape,
     aten.slice: _slice, aten.select: _select, aten.cat: _cat, aten.repeat_interleave: _repeat_interleave,
     aten.repeat: _repeat, aten.index: _index, aten.hstack: _stack_h, aten.embedding: _embedding,
-    aten.gather: _gather, aten.flip: _flip,
+    aten.gather: _gather, aten.index_select: _index_select, aten.flip: _flip,
     # index generators
     aten.arange: _arange,
     aten.ones: _fill(lambda a, k: 1), aten.zeros: _fill(lambda a, k: 0),

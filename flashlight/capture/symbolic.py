@@ -26,6 +26,7 @@ from ..ir.expr import scan
 aten = torch.ops.aten
 Idx = tuple  # tuple[Expr, ...]
 RULES: dict = {}   # op packet (or operator.getitem) -> rule; see rules.py
+CONSTANT_LITERALS = 64   # elements: a graph constant this small is read as literals where it can be
 
 
 class Unsupported(Exception):
@@ -123,8 +124,14 @@ def _aliases(node: fx.Node) -> list[fx.Node]:
     return aliases
 
 
+# in-place ops that write a tensor's metadata, not its values (``torch.tensor([2])`` in a traced
+# program is a constant detached in place)
+KEEP_VALUES = frozenset({aten.detach_.default})
+
+
 def _writes(aliases: list[fx.Node]) -> list[fx.Node]:
-    return [u for a in aliases for u in _users_on_first(a) if _compat.first_argument_alias(u.target) == "write"]
+    return [u for a in aliases for u in _users_on_first(a)
+            if _compat.first_argument_alias(u.target) == "write" and u.target not in KEEP_VALUES]
 
 
 def written_after(node: fx.Node, after: fx.Node) -> bool:
@@ -258,6 +265,8 @@ class Builder:
         if stops and node not in self.fuse_stops and not self.stopping:
             self.decline(node, "its gradient is stopped (detach() or no_grad) in a region under grad mode")
             return self.leaf(node)
+        if node.op == "get_attr":
+            return self.constant(node)
         key = getattr(node.target, "overloadpacket", node.target)
         rule = RULES.get(key) if node.op == "call_function" else None
         self.stopping += stops
@@ -282,6 +291,25 @@ class Builder:
                 self.leaves.add(node)
             return load(self.inputs.index(node), idx, kind)
         return Sym(static_shape(t), kind, fn)
+
+    def constant(self, node: fx.Node) -> Sym:
+        """A tensor the graph holds (the list in ``values[..., [-1]]``, traced as a constant):
+        read at constant positions, a small integer or bool one's entries are literals, so the
+        rules reading it see the position (top-k's threshold entry); elsewhere, or floating, it
+        is loaded like an input."""
+        leaf = self.leaf(node)
+        gm = node.graph.owning_module
+        value = getattr(gm, node.target, None) if gm is not None else None
+        if not isinstance(value, torch.Tensor) or _compat.is_fake(value) or value.numel() > CONSTANT_LITERALS \
+                or value.is_floating_point() or value.is_complex() or value.requires_grad:
+            return leaf     # (floating ones may be parameters held by the graph: their values change)
+        value = value.detach().cpu()
+
+        def fn(idx):
+            if all(e.op == "const" for e in idx):
+                return const(value[tuple(e.args[0] for e in idx)].item())
+            return leaf(idx)
+        return Sym(leaf.shape, leaf.kind, fn)
 
     def decline(self, node: fx.Node, why: str) -> None:
         """A rule's reason for returning None (shown by explain() when fusion fails there)."""
