@@ -373,6 +373,19 @@ def test_embedding_table_read_in_the_kernel():
     check_grads(t5, inputs)
 
 
+def test_index_select_table_read_in_the_kernel():
+    """Swin's relative-position bias through ``index_select`` of a flattened bucket index: the
+    table read at the bucket in the kernel, its gradient scatter-added, against float64."""
+    def swin(q, k, v, table):
+        rel = (torch.arange(N)[None, :] - torch.arange(M)[:, None]).clamp(-7, 7) + 7
+        bias = table.index_select(0, rel.reshape(-1)).view(M, N, H).permute(2, 0, 1)
+        return torch.softmax(q @ k.mT + bias[None], -1) @ v
+    inputs = (*qkv(), torch.randn(15, H))
+    _, report = check_fused(swin, *inputs, score_numel=M * N)
+    assert "(15, 2)" in report.regions[0].ir
+    check_grads(swin, inputs)
+
+
 def test_gathered_relative_position_scores():
     """DeBERTa's disentangled attention: ``gather(q @ rel_k^T, -1, clamp(m - n + K, 0, 2K - 1))``
     (content to position) and its transposed position-to-content twin. The products are
