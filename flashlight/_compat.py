@@ -175,8 +175,7 @@ def subgraph_inputs(gm, example_inputs, nodes) -> dict:
     own example values may have symbolic sizes; these have the sizes of this compile."""
     import torch
     import torch.fx as fx
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    mode, seen = FakeTensorMode(allow_non_fake_inputs=True), {}
+    seen = {}
 
     class Run(fx.Interpreter):
         def call_function(self, target, args, kwargs):
@@ -194,10 +193,19 @@ def subgraph_inputs(gm, example_inputs, nodes) -> dict:
             self.current = n
             return super().run_node(n)
 
+    run_on_fakes(Run(gm), example_inputs)
+    return seen
+
+
+def run_on_fakes(interpreter, example_inputs):
+    """``interpreter.run`` on fake copies of ``example_inputs`` of concrete shape, in a fresh
+    ``torch._subclasses.FakeTensorMode`` (private); grad mode is restored afterwards."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode, torch.set_grad_enabled(torch.is_grad_enabled()):
         fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else concrete(x) for x in example_inputs]
-        Run(gm).run(*fakes)
-    return seen
+        return interpreter.run(*fakes)
 
 
 def data_dependent(e: BaseException) -> bool:

@@ -149,6 +149,27 @@ def copied(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     return graph, env
 
 
+def autocast_dtypes_pinned(gm: fx.GraphModule, example_inputs) -> fx.GraphModule | None:
+    """A copy of ``gm`` with the casts ``autocast.pins`` finds written in (``.to(dtype)`` after a
+    result, before a product's inputs), so the pre-dispatch trace sees autocast's dtypes; None
+    where the graph runs under no autocast or needs none."""
+    if not autocast.ambient() and not any(_compat.autocast_switch(n) for n in gm.graph.nodes):
+        return None
+    after, before = autocast.pins(gm, example_inputs)
+    if not after and not before:
+        return None
+    graph, env = copied(gm)
+    for n, dtype in after.items():
+        with graph.inserting_after(env[n]):
+            cast = graph.call_method("to", (env[n], dtype))
+        env[n].replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
+    for n, (dtype, inputs) in before.items():
+        for x in inputs:
+            with graph.inserting_before(env[n]):
+                env[n].replace_input_with(env[x], graph.call_method("to", (env[x], dtype)))
+    return fx.GraphModule(gm, graph)
+
+
 def inference_mode_as_no_grad(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose ``torch.inference_mode()`` blocks are ``torch.no_grad()`` ones, for
     tracing: the ATen trace keeps ``_set_grad_enabled`` calls but drops inference mode's, and
@@ -263,7 +284,13 @@ def trace(gm: fx.GraphModule, example_inputs,
     with torch.set_grad_enabled(torch.is_grad_enabled()):
         traceable = items_as_tensors(data_as_detach(inference_mode_as_no_grad(gm)))
         try:
-            aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(traceable).run, example_inputs)
+            try:
+                aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(traceable).run, example_inputs)
+            except RuntimeError:        # (a program well-typed only under autocast: pin its dtypes)
+                pinned = autocast_dtypes_pinned(traceable, example_inputs)
+                if pinned is None:
+                    raise
+                aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(pinned).run, example_inputs)
         except Exception as e:
             if _compat.data_dependent(e):
                 raise Unsupported("a value read with .item() (a Python number argument that changed between "

@@ -1,3 +1,5 @@
+# Session 35's plan (session 34: docs/notes.md "Session 34"): as session 34's. Leave kind out; if an H200 comes:
+#   F (#6), then LIMIT=250 TR (#5). On an H100: T33B.
 # Session 34's plan (session 33: docs/notes.md "Session 33"; three H100 calls, no H200): leave kind out; if an H200
 #   comes: F (#6), then LIMIT=250 TR (#5). On an H100: T33B (the decode suite's top-k row against Inductor, the
 #   beyond rows after the inserting merge).

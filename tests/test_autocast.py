@@ -67,6 +67,16 @@ def test_a_region_under_autocast_computes_what_eager_does(fn, outside, dtype):
     assert _close_to_eager(fn, args, outside).dtype == dtype
 
 
+def test_operands_of_mixed_dtypes_under_autocast():
+    """A bfloat16 q times float32 k and v is well-typed only under autocast, which casts the
+    products' operands: the trace pins autocast's dtypes first (``backend.autocast_dtypes_pinned``;
+    before, the trace failed and the program ran unfused)."""
+    torch.manual_seed(0)
+    args = [torch.randn(2, 2, 37, 16, dtype=dtype).requires_grad_()
+            for dtype in (torch.bfloat16, torch.float32, torch.float32)]
+    assert _close_to_eager(attention_inside, args, outside=False).dtype == torch.bfloat16
+
+
 class _Block(torch.nn.Module):
     """Projections (bfloat16 under autocast), a padding mask built in the program, SDPA."""
 
@@ -81,22 +91,44 @@ class _Block(torch.nn.Module):
         return self.out(o.transpose(1, 2).flatten(-2))
 
 
-def test_a_model_trains_under_autocast_with_its_attention_fused():
-    """A block with Linear projections under a bfloat16 autocast, SDPA with a padding mask:
-    the attention fuses, the output and every parameter's gradient are as close to float64 as
-    eager's under the same autocast."""
+class _HFBlock(torch.nn.Module):
+    """HF's eager attention (Llama, Qwen): projections, an additive causal mask of the dtype's
+    minimum, a float32 softmax cast back to q's dtype, under an autocast its forward enters. Its
+    P @ V multiplies that bfloat16 cast by a projection autocast narrows, which the trace records
+    as float32: well-typed only under autocast (``backend.autocast_dtypes_pinned``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(32, 32, bias=False) for _ in range(4))
+
+    @torch.autocast("cpu", torch.bfloat16)      # as accelerate wraps a model's forward
+    def forward(self, x):
+        q, k, v = (p(x).unflatten(-1, (2, 16)).transpose(1, 2) for p in (self.q, self.k, self.v))
+        mask = torch.full((x.shape[1], x.shape[1]), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
+        w = torch.matmul(q, k.transpose(2, 3)) * 16 ** -0.5 + mask
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o(torch.matmul(w, v).transpose(1, 2).flatten(-2))
+
+
+@pytest.mark.parametrize("block", [_Block, _HFBlock])
+def test_a_model_trains_under_autocast_with_its_attention_fused(block):
+    """A block with Linear projections under a bfloat16 autocast, SDPA with a padding mask
+    (autocast entered around the compiled model) or HF's eager spelling (entered inside its
+    forward): the attention fuses, the output and every parameter's gradient are as
+    close to float64 as eager's under the same autocast."""
     torch.manual_seed(0)
-    model, x, lengths = _Block(), torch.randn(2, 29, 32), torch.tensor([29, 17])
+    model = block()
+    args = (torch.randn(2, 29, 32), torch.tensor([29, 17]))[:2 if block is _Block else 1]
     model64 = copy.deepcopy(model).double()
-    ref = model64(x.double(), lengths)
+    ref = model64(args[0].double(), *args[1:])
     ref.sum().backward()
-    with torch.autocast("cpu", torch.bfloat16):
-        report = flashlight.explain(model, x, lengths)
+    with torch.autocast("cpu", torch.bfloat16) if block is _Block else contextlib.nullcontext():
+        report = flashlight.explain(model, *args)
         assert len(report.regions) == 1 and not report.fallbacks, report
         torch.compiler.reset()
-        out = torch.compile(model, backend="flashlight")(x, lengths)
+        out = torch.compile(model, backend="flashlight")(*args)
         eager_model = copy.deepcopy(model)
-        want = eager_model(x, lengths)
+        want = eager_model(*args)
     assert out.dtype == want.dtype == torch.bfloat16
     assert rel_error(out.double(), ref) <= max(2 * rel_error(want.double(), ref), 1e-5)
     out.float().sum().backward()

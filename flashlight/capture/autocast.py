@@ -61,6 +61,41 @@ def make_explicit(graph: fx.Graph, outside: dict[str, torch.dtype]) -> bool:
     return changed
 
 
+def pins(gm: fx.GraphModule, example_inputs) -> tuple[dict, dict]:
+    """Where Dynamo's graph ``gm`` is well-typed only under autocast, for a pre-dispatch trace
+    that records ops on their own dtypes and so cannot follow it: HF's ``softmax(s,
+    dtype=float32).to(q.dtype) @ v`` whose v is a projection autocast narrows, a bf16 q times a
+    float32 k. Each floating op under autocast runs on fake values under autocast, then again
+    without it on the same inputs. Returns ``after`` (node -> dtype: without autocast its result
+    has another dtype, so cast it to autocast's: the projection) and ``before`` (node -> (dtype,
+    inputs): it fails without autocast, so cast those floating inputs: the mixed product).
+    ``make_explicit`` adds the casts inside the ops afterwards, as for any graph."""
+    after, before = {}, {}
+
+    class Run(fx.Interpreter):
+        def run_node(self, n):
+            val = super().run_node(n)
+            casts = ambient()
+            if n.op not in ("call_function", "call_method", "call_module") or _compat.autocast_switch(n) or \
+                    not casts or not isinstance(val, torch.Tensor) or not val.is_floating_point():
+                return val
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            args, kwargs = fx.node.map_aggregate((args, kwargs), lambda x: x.clone() if isinstance(x, torch.Tensor) else x)
+            try:
+                with _outside_off(casts):
+                    plain = getattr(self, n.op)(n.target, args, kwargs)
+            except Exception:   # noqa: BLE001 — well-typed only under autocast: cast its inputs
+                before[n] = (val.dtype, [x for x in n.all_input_nodes if isinstance(self.env[x], torch.Tensor)
+                                         and self.env[x].is_floating_point() and self.env[x].dtype != val.dtype])
+                return val
+            if isinstance(plain, torch.Tensor) and plain.dtype != val.dtype:
+                after[n] = val.dtype
+            return val
+
+    _compat.run_on_fakes(Run(gm), example_inputs)
+    return after, before
+
+
 def _mutates(n: fx.Node) -> bool:
     return _compat.mutates(n.target)
 
