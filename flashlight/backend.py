@@ -302,6 +302,7 @@ def trace(gm: fx.GraphModule, example_inputs,
                               "an operation outside the dispatcher")
     autocast.make_explicit(aten_gm.graph, autocast.ambient())
     rewritten = sdpa.decompose(aten_gm, keep_sdpa)
+    products.weights_first(aten_gm)
     products.join(aten_gm)
     return aten_gm, rewritten
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import flashlight
 from flashlight.capture import products
 from helpers import check_fused, check_grads
 
@@ -130,3 +131,28 @@ def test_integer_products_and_zero_scales_are_not_joined():
     a, b, c, d = torch.randn(4, 8), torch.randn(8, 5), torch.randn(4, 3), torch.randn(3, 5)
     n, _ = _joined(lambda a, b, c, d: torch.softmax(a @ b / 0.0 + c @ d, -1), a, b, c, d)
     assert n == 0
+
+
+def weights_second(q, k, v):
+    # slot attention's spelling of P @ V: the weights the second operand
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * 0.25
+    return torch.einsum("bhjd,bhij->bhid", v, s.softmax(-1))
+
+
+def test_weights_written_second_fuse():
+    """``einsum("bhjd,bhij->bhid", v, attn)`` (products.weights_first swaps the operands):
+    fused whole, outputs and gradients against float64. Before, the product was read as V^T
+    times the weights and nothing fused, without a reason."""
+    inputs = [torch.randn(B, H, L, D) for L in (M, N, N)]
+    check_fused(weights_second, *inputs)
+    check_grads(weights_second, [x.requires_grad_() for x in inputs])
+
+
+def test_a_softmax_over_the_queries_in_weights_written_second_has_a_reason():
+    """Slot attention normalises over the slots (the queries), then over the inputs: it does not
+    fuse, and explain() says why instead of listing nothing."""
+    def slot_attention(slots, k, v):
+        attn = torch.einsum("bid,bjd->bij", slots * 0.25, k).softmax(dim=1) + 1e-8
+        return torch.einsum("bjd,bij->bid", v, attn / attn.sum(dim=-1, keepdim=True))
+    report = flashlight.explain(slot_attention, torch.randn(2, 7, D), torch.randn(2, N, D), torch.randn(2, N, D))
+    assert not report.regions and "softmax over dim 1" in report.fallbacks[0].reason, report

@@ -20,6 +20,9 @@ a softmax written by hand with ``exp`` included): elsewhere two products
 stay two products. ``join`` rewrites the ATen graph in place, tracing the joined product on the
 fake values of its operands (their shapes, dtypes and devices), and returns how many sums it
 joined.
+
+``weights_first`` runs before it: an einsum that writes ``P @ V`` with the weights second
+(``einsum("bjd,bij->bid", v, attn)``) gets its operands swapped.
 """
 from __future__ import annotations
 
@@ -33,13 +36,32 @@ import torch.fx as fx
 from .. import _compat
 from . import sdpa
 from .epilogue import packet
-from .regions import SOFTMAX_LIKE
+from .regions import SOFTMAX_LIKE, from_softmax
 from .rules import einsum_letters, expand_ellipsis
 from .symbolic import meta
 
 aten = torch.ops.aten
 PRODUCTS = {aten.matmul.default, aten.einsum.default}
 SCALES = {aten.mul.Tensor: operator.mul, aten.div.Tensor: operator.truediv}
+
+
+def weights_first(gm: fx.GraphModule) -> int:
+    """Swap the operands of an einsum that multiplies V by the attention weights written second
+    (slot attention's ``einsum("bjd,bij->bid", v, attn)``), so that a candidate ``P @ V``'s first
+    operand is P, as ``regions`` reads it; the result is the same. Returns how many it swapped."""
+    swapped = 0
+    for n in gm.graph.nodes:
+        if n.target != aten.einsum.default or len(n.args[1]) != 2 or "->" not in n.args[0]:
+            continue
+        x, y = n.args[1]
+        if from_softmax(y) and not from_softmax(x):
+            operands, out = n.args[0].replace(" ", "").split("->")
+            a, c = operands.split(",")
+            n.args = (f"{c},{a}->{out}", [y, x])
+            swapped += 1
+    if swapped:
+        gm.recompile()
+    return swapped
 
 
 @dataclass

@@ -94,11 +94,16 @@ def _is_attention(b: Builder) -> bool:
     return any(free_vars(d.k) & {v.args[0] for v in b.bvars} for d in b.dots)
 
 
-def _looks_like_attention(node: fx.Node, depth: int = 12) -> bool:
-    """Does a softmax feed the product's first operand (a P @ V worth a reason in explain())?
-    Not through another product: in stacked layers, the next layer's q @ k^T reaches the last
-    layer's softmax only through its P @ V and a projection."""
-    frontier, seen = list(_operands(node)[:1]), set()
+def _looks_like_attention(node: fx.Node) -> bool:
+    """Does a softmax feed the product's first operand (a P @ V worth a reason in explain())?"""
+    return from_softmax(_operands(node)[0])
+
+
+def from_softmax(operand: fx.Node, depth: int = 12) -> bool:
+    """Is ``operand`` computed from a softmax (or another ``SOFTMAX_LIKE`` op)? Not through
+    another product: in stacked layers, the next layer's q @ k^T reaches the last layer's softmax
+    only through its P @ V and a projection."""
+    frontier, seen = [operand], set()
     while frontier and depth:
         depth -= 1
         nxt = []
