@@ -29,12 +29,25 @@ SPELLINGS = {
     "triu_mask": lambda q, k, v: torch.softmax((q @ k.mT).masked_fill(
         torch.ones(M, N, dtype=torch.bool).triu(1), float("-inf")), -1) @ v,
     "log_softmax_exp": lambda q, k, v: torch.exp(torch.log_softmax(q @ k.mT, -1)) @ v,
+    "scores_transposed": lambda q, k, v: torch.softmax((k @ q.mT).mT * 0.25, -1) @ v,     # K @ Q^T, then .mT
+    "einsum_k_first": lambda q, k, v: torch.einsum("bhjd,bhid->bhij", k, q).softmax(-1) @ v,
 }
 
 
 @pytest.mark.parametrize("name", list(SPELLINGS))
 def test_spelling_fuses(name):
     check_fused(SPELLINGS[name], *qkv())
+
+
+def test_scores_computed_transposed_train():
+    """``(k @ q^T)^T``: the dot's operands read the other way round (``rules.contraction``), with
+    a bias that reads the transposed tile's positions; gradients against float64."""
+    def attn(q, k, v, bias):
+        st = k @ (q * 0.25).mT + bias                 # [.., N, M]
+        return torch.softmax(st.transpose(-1, -2), -1) @ v
+    inputs = [*qkv(), torch.randn(H, N, M)]
+    check_fused(attn, *inputs, score_numel=B * H * M * N)
+    check_grads(attn, [x.requires_grad_() for x in inputs])
 
 
 @pytest.mark.parametrize("shape", [(H, 1, N), (B, 1, M, N), (1, 1, 1, N), (M, 1), (B, H, M, N)])

@@ -760,11 +760,15 @@ def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, .
         scanned = triangle_product(b, sx, sy, ax, ay) if b.is_tile(idx, b.m, b.n) and shape[-2:] == (b.M, b.N) else None
         if scanned is not None:
             return scanned
-        if b.is_tile(idx, b.m, b.n) and shape[-2:] == (b.M, b.N) and K == (b.DK or K):
-            b.DK = K
-            trained = b.grad_mode and carries_grad(node)
-            q = computed_operand(b, x, sx, ax + (b.m, b.dk), wrap_x, ("m", "dk")) if trained else sx(ax + (b.m, b.dk))
-            return b.add_dot(q, computed_operand(b, y, sy, ay + (b.dk, b.n), wrap, ("n",)))
+        for rows, cols in ((b.m, b.n), (b.n, b.m)):     # q @ k^T, or k @ q^T (the scores transposed)
+            if b.is_tile(idx, rows, cols) and shape[-2:] == (b.size(rows), b.size(cols)) and K == (b.DK or K):
+                b.DK = K
+                (qs, qx, q_at, wq), (ks, kx, k_at, wk) = (
+                    ((sx, x, ax + (b.m, b.dk), wrap_x), (sy, y, ay + (b.dk, b.n), wrap)) if rows is b.m else
+                    ((sy, y, ay + (b.dk, b.m), wrap), (sx, x, ax + (b.n, b.dk), wrap_x)))
+                trained = b.grad_mode and carries_grad(node)
+                q = computed_operand(b, qx, qs, q_at, wq, ("m", "dk")) if trained else qs(q_at)
+                return b.add_dot(q, computed_operand(b, kx, ks, k_at, wk, ("n",)))
         if b.is_tile(idx, b.m, b.dv) and shape[-2:] == (b.M, b.DV) and K == b.N and not key_triangle(b, sy, ay):
             body = sx(ax + (b.m, b.n))
             if refs(body, "dot"):

@@ -317,6 +317,10 @@ class Builder:
         return None
 
     # -- tiles the kernel computes -----------------------------------------------------------
+    def size(self, axis: Expr) -> int:
+        """The extent of the tile axis ``axis`` (m: M, n: N)."""
+        return {"m": self.M, "n": self.N, "dk": self.DK, "dv": self.DV}[axis.args[0]]
+
     def is_tile(self, idx: Idx, row: Expr, col: Expr) -> bool:
         inner = {"m", "n", "dk", "dv"}
         return idx[-2:] == (row, col) and not any(free_vars(i) & inner for i in idx[:-2])
