@@ -761,14 +761,16 @@ def contraction(b: Builder, node: fx.Node, sx: Sym, sy: Sym, order: tuple[int, .
         if scanned is not None:
             return scanned
         for rows, cols in ((b.m, b.n), (b.n, b.m)):     # q @ k^T, or k @ q^T (the scores transposed)
-            if b.is_tile(idx, rows, cols) and shape[-2:] == (b.size(rows), b.size(cols)) and K == (b.DK or K):
-                b.DK = K
-                (qs, qx, q_at, wq), (ks, kx, k_at, wk) = (
-                    ((sx, x, ax + (b.m, b.dk), wrap_x), (sy, y, ay + (b.dk, b.n), wrap)) if rows is b.m else
-                    ((sy, y, ay + (b.dk, b.m), wrap), (sx, x, ax + (b.n, b.dk), wrap_x)))
-                trained = b.grad_mode and carries_grad(node)
-                q = computed_operand(b, qx, qs, q_at, wq, ("m", "dk")) if trained else qs(q_at)
-                return b.add_dot(q, computed_operand(b, kx, ks, k_at, wk, ("n",)))
+            if not (b.is_tile(idx, rows, cols) and shape[-2:] == (b.size(rows), b.size(cols)) and K == (b.DK or K)):
+                continue
+            b.DK = K
+            if rows is b.m:     # each operand: (node, sym, its index at the tile, wrap)
+                q_op, k_op = (x, sx, ax + (b.m, b.dk), wrap_x), (y, sy, ay + (b.dk, b.n), wrap)
+            else:
+                q_op, k_op = (y, sy, ay + (b.dk, b.m), wrap), (x, sx, ax + (b.n, b.dk), wrap_x)
+            trained = b.grad_mode and carries_grad(node)
+            q = computed_operand(b, *q_op, ("m", "dk")) if trained else q_op[1](q_op[2])
+            return b.add_dot(q, computed_operand(b, *k_op, ("n",)))
         if b.is_tile(idx, b.m, b.dv) and shape[-2:] == (b.M, b.DV) and K == b.N and not key_triangle(b, sy, ay):
             body = sx(ax + (b.m, b.n))
             if refs(body, "dot"):
