@@ -203,6 +203,8 @@ def run_on_fakes(interpreter, example_inputs):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    held = interpreter.fetch_attr     # tensors the graph holds go fake too: its in-place ops must not write them
+    interpreter.fetch_attr = lambda target: (lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x)(held(target))
     with mode, torch.set_grad_enabled(torch.is_grad_enabled()):
         fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else concrete(x) for x in example_inputs]
         return interpreter.run(*fakes)
@@ -225,6 +227,13 @@ def trace_on_fakes(fn, fakes):
     mode = next(x.fake_mode for x in fakes if is_fake(x))
     with tracing(None), mode:
         return make_fx(fn, tracing_mode="real", pre_dispatch=True)(*fakes)
+
+
+def traced_constant(node) -> bool:
+    """A tensor the traced program created from literals (``torch.tensor([-1])``, the list of
+    ``x[..., [-1]]``), which make_fx holds as ``_tensor_constant<i>`` (its naming, private): the
+    same values at every call, unlike the parameters and buffers a graph may hold."""
+    return node.op == "get_attr" and node.target.startswith("_tensor_constant")
 
 
 def is_fake(x) -> bool:

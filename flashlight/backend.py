@@ -15,6 +15,7 @@ An unexpected error while fusing compiles the graph without fusion (explain() sa
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import time
@@ -147,6 +148,48 @@ def copied(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     graph, env = fx.Graph(), {}
     graph.output(graph.graph_copy(gm.graph, env))
     return graph, env
+
+
+def _attr(gm: fx.GraphModule, target: str):
+    return functools.reduce(getattr, target.split("."), gm)
+
+
+def attrs_as_inputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """A copy of ``gm`` whose tensors held as attributes (``get_attr``: an optimizer step's
+    parameters and state, which Dynamo does not pass as inputs) are its last inputs, and those
+    tensors, so that the trace makes them fake like the inputs. Read as attributes they would
+    run for real while tracing, and an in-place update (AdamW's ``step_t += 1``) would change
+    them: a compiled step counted twice."""
+    held = {n: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    held = {n: t for n, t in held.items() if isinstance(t, torch.Tensor)}
+    if not held:
+        return gm, []
+    graph, env = copied(gm)
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):     # after the inputs, in order
+        inputs = [graph.placeholder(f"flashlight_attr{i}") for i in range(len(held))]
+    for n, p in zip(held, inputs):
+        env[n].replace_all_uses_with(p)
+        graph.erase_node(env[n])
+    return fx.GraphModule(gm, graph), list(held.values())
+
+
+def inputs_as_attrs(aten_gm: fx.GraphModule, tensors: list[torch.Tensor]) -> None:
+    """Undo ``attrs_as_inputs`` in the traced graph: its last ``len(tensors)`` inputs read the
+    tensors as attributes again."""
+    if not tensors:
+        return
+    graph = aten_gm.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"][-len(tensors):]
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for i, (p, t) in enumerate(zip(inputs, tensors)):
+        setattr(aten_gm, f"flashlight_attr{i}", t)
+        with graph.inserting_before(first):
+            node = graph.get_attr(f"flashlight_attr{i}")
+        node.meta.update(p.meta)
+        p.replace_all_uses_with(node)
+        graph.erase_node(p)
+    aten_gm.recompile()
 
 
 def autocast_dtypes_pinned(gm: fx.GraphModule, example_inputs) -> fx.GraphModule | None:
@@ -283,14 +326,19 @@ def trace(gm: fx.GraphModule, example_inputs,
     constant without data is refused (``Unsupported``)."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):
         traceable = items_as_tensors(data_as_detach(inference_mode_as_no_grad(gm)))
+        def to_aten(g: fx.GraphModule) -> fx.GraphModule:
+            lifted, held = attrs_as_inputs(g)
+            out = _compat.make_fx_pre_dispatch(fx.Interpreter(lifted).run, [*example_inputs, *held])
+            inputs_as_attrs(out, held)
+            return out
         try:
             try:
-                aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(traceable).run, example_inputs)
+                aten_gm = to_aten(traceable)
             except RuntimeError:        # (a program well-typed only under autocast: pin its dtypes)
                 pinned = autocast_dtypes_pinned(traceable, example_inputs)
                 if pinned is None:
                     raise
-                aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(pinned).run, example_inputs)
+                aten_gm = to_aten(pinned)
         except Exception as e:
             if _compat.data_dependent(e):
                 raise Unsupported("a value read with .item() (a Python number argument that changed between "

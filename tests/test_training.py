@@ -51,3 +51,32 @@ def test_transformer_block_trains_like_eager():
     assert eager[-1] < 0.8 * eager[0]                  # it does learn
     for e, f in zip(eager, fused):
         assert abs(e - f) <= 2e-3 * abs(e), (e, f)
+
+
+def test_a_compiled_optimizer_step_updates_its_state_once():
+    """The whole step compiled, ``opt.step()`` included: Dynamo's graph of AdamW's step holds the
+    parameters and the optimizer's state as attributes and updates them in place. The trace to
+    ATen ran those updates for real before it failed (``step_t += 1``: each compiled step counted
+    twice, the weights drifting from eager's with no warning); now they are traced as fake inputs
+    (``backend.attrs_as_inputs``). Parameters and step counters after three steps, as eager's."""
+    torch.manual_seed(0)
+    model, data, target = Block(), torch.randn(2, 24, 32), torch.randn(2, 24, 32)
+    runs = []
+    for compiled in (False, True):
+        m = copy.deepcopy(model)
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3, eps=1e-3)   # (eps: qkv's k bias has no gradient but noise)
+
+        def step():
+            opt.zero_grad()
+            loss = (m(data) - target).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+        run = torch.compile(step, backend="flashlight") if compiled else step
+        for _ in range(3):
+            run()
+        runs.append((m, opt))
+    (eager, eager_opt), (fused, fused_opt) = runs
+    for (name, p), q in zip(eager.named_parameters(), fused.parameters()):
+        assert eager_opt.state[p]["step"].item() == fused_opt.state[q]["step"].item() == 3, name
+        assert (p - q).norm() <= 1e-4 * p.norm(), name

@@ -293,17 +293,18 @@ class Builder:
         return Sym(static_shape(t), kind, fn)
 
     def constant(self, node: fx.Node) -> Sym:
-        """A tensor the graph holds (the list in ``values[..., [-1]]``, traced as a constant):
-        read at constant positions, a small integer or bool one's entries are literals, so the
-        rules reading it see the position (top-k's threshold entry); elsewhere, or floating, it
-        is loaded like an input."""
+        """A tensor the graph holds. One the program created from literals (the list in
+        ``values[..., [-1]]``), small, integer or bool, read at constant positions, is literals,
+        so the rules reading it see the position (top-k's threshold entry). Otherwise it is
+        loaded like an input: floating ones, and parameters and buffers (their values change
+        between calls)."""
         leaf = self.leaf(node)
         gm = node.graph.owning_module
-        value = getattr(gm, node.target, None) if gm is not None else None
+        value = getattr(gm, node.target, None) if gm is not None and _compat.traced_constant(node) else None
         if not isinstance(value, torch.Tensor) or _compat.is_fake(value) or value.numel() > CONSTANT_LITERALS \
-                or value.is_floating_point() or value.is_complex() or value.requires_grad:
-            return leaf     # (floating ones may be parameters held by the graph: their values change)
-        value = value.detach().cpu()
+                or value.is_floating_point() or value.is_complex():
+            return leaf
+        value = value.cpu()
 
         def fn(idx):
             if all(e.op == "const" for e in idx):
