@@ -36,6 +36,7 @@ from .rewrite import rewrite
 class GraphReport:
     """What one backend call did: the fused regions (with their compiled kernels) and fallbacks."""
     regions: list = field(default_factory=list)        # runtime.op.CompiledRegion
+    sources: list[str] = field(default_factory=list)   # each region's source line here (an entry may be shared)
     fallbacks: list[Fallback] = field(default_factory=list)
     graph: fx.GraphModule | None = None                # what Inductor receives
     seconds: dict[str, float] = field(default_factory=dict)    # "trace", "lower", "inductor": where the compile went
@@ -414,6 +415,7 @@ def fuse(gm: fx.GraphModule, example_inputs, max_autotune: bool = False,
             report.seconds["lower"] += time.perf_counter() - t0
         renamed |= replace(aten_gm.graph, m, compiled.key, differentiated)
         report.regions.append(compiled)
+        report.sources.append(m.region.source)
         fused |= m.inner
     if rewritten and report.regions:
         # an SDPA call traced as its program that left unfused math behind goes back to SDPA
@@ -476,6 +478,7 @@ def fuse_checkpointed(gm: fx.GraphModule, example_inputs, checkpoints: list[fx.N
                                              f"{type(e).__name__}: {e}", source_line(n)))
             continue
         report.regions += inner.regions
+        report.sources += inner.sources
         report.fallbacks += inner.fallbacks
         for phase, seconds in inner.seconds.items():
             report.seconds[phase] = report.seconds.get(phase, 0.0) + seconds

@@ -117,7 +117,9 @@ class Report:
         return "\n".join(lines)
 
 
-def region_report(c) -> RegionReport:
+def region_report(c, source: str | None = None) -> RegionReport:
+    """``c``'s report; ``source``: the line of the program that fused it this time (a cached
+    entry keeps the first program's)."""
     r = c.region
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
     backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
@@ -130,7 +132,7 @@ def region_report(c) -> RegionReport:
             " (read by a later pass)"
     hopper = hopper_forward(r) + (f"; {hopper_backward(r, c.bwd_kernel.plan.fused_dq)}" if c.bwd_kernel is not None
                                   else "")
-    return RegionReport(c.name, c.key, str(c.path), shapes, features(r), r.source, str(r), c.source, c.skipped,
+    return RegionReport(c.name, c.key, str(c.path), shapes, features(r), source or r.source, str(r), c.source, c.skipped,
                         backward, c.bwd_source, hopper)
 
 
@@ -184,7 +186,7 @@ def explain(fn, *args, **kwargs) -> Report:
         op.MEASURE_SPARSITY = False
     report = Report()
     for g in collected:
-        report.regions += [region_report(c) for c in g.regions]
+        report.regions += [region_report(c, s) for c, s in zip(g.regions, g.sources)]
         report.fallbacks += g.fallbacks
         report.graphs.append(g.graph)
     return report

@@ -687,3 +687,12 @@ def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
     check_fused(paged.attention, *paged.make_inputs(B=2, H=4, M=37, D=16, queries=3))
     (c,) = REGISTRY.values()
     assert any(x.op == "load" and x.kind == "i" for x in walk(c.region.dots[0].k))     # the page table, read in the kernel
+
+
+def test_explain_gives_each_programs_own_line():
+    """Two programs with the same region share its compiled entry; explain() names the line of
+    the program at hand, not the first one's."""
+    first = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v      # noqa: E731
+    second = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v     # noqa: E731
+    a, b = (flashlight.explain(f, *qkv()).regions[0] for f in (first, second))
+    assert a.key == b.key and a.source != b.source and "second" in b.source, (a.source, b.source)
