@@ -229,6 +229,13 @@ def trace_on_fakes(fn, fakes):
         return make_fx(fn, tracing_mode="real", pre_dispatch=True)(*fakes)
 
 
+def graph_breaks() -> dict[str, int]:
+    """Dynamo's graph-break reasons counted so far in this process, by reason
+    (``torch._dynamo.utils.counters``, private)."""
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"])
+
+
 def traced_constant(node) -> bool:
     """A tensor the traced program created from literals (``torch.tensor([-1])``, the list of
     ``x[..., [-1]]``), which make_fx holds as ``_tensor_constant<i>`` (its naming, private): the

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _compat
 from .capture import Fallback
 from .capture.sdpa import OP as SDPA_OP
 from .ir import Region, free_vars, refs, walk
@@ -105,6 +106,7 @@ class Report:
     regions: list[RegionReport] = field(default_factory=list)
     fallbacks: list[Fallback] = field(default_factory=list)
     graphs: list[torch.fx.GraphModule] = field(default_factory=list)   # what Inductor received
+    graph_breaks: list[str] = field(default_factory=list)   # Dynamo's, during this compile: code around them may run eagerly
 
     def __str__(self) -> str:
         kept = [f for f in self.fallbacks if f.op == SDPA_OP]   # left to SDPA by design, not failures
@@ -114,6 +116,7 @@ class Report:
         lines += [f"  fused    {r}" for r in self.regions]
         lines += [f"  fallback {f}" for f in failed]
         lines += [f"  sdpa     {f}" for f in kept]
+        lines += [f"  break    Dynamo graph break (code around it may run eagerly, unfused): {b}" for b in self.graph_breaks]
         return "\n".join(lines)
 
 
@@ -166,6 +169,12 @@ def hopper_backward(r: Region, fused_dq: bool = False) -> str:
         "Gluon dK/dV and dQ kernels (warp-specialised), on whole blocks of 16-bit rows"
 
 
+def _first_lines(reason: str) -> str:
+    """A graph-break reason's first line and its explanation, if it gives one."""
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+    return " ".join(lines[:1] + [ln for ln in lines[1:] if ln.startswith("Explanation:")][:1])
+
+
 def explain(fn, *args, **kwargs) -> Report:
     """Compile ``fn`` with the flashlight backend, run it once on the given inputs, and report
     every fused region and every attention-like candidate that fell back (with the reason)."""
@@ -179,12 +188,14 @@ def explain(fn, *args, **kwargs) -> Report:
 
     _LISTENERS.append(collected)
     op.MEASURE_SPARSITY = True
+    breaks = _compat.graph_breaks()
     try:
         torch.compile(fn, backend=backend)(*args, **kwargs)
     finally:
         _LISTENERS.remove(collected)
         op.MEASURE_SPARSITY = False
-    report = Report()
+    report = Report(graph_breaks=[_first_lines(why) for why, count in _compat.graph_breaks().items()
+                                  if count > breaks.get(why, 0)])
     for g in collected:
         report.regions += [region_report(c, s) for c, s in zip(g.regions, g.sources)]
         report.fallbacks += g.fallbacks

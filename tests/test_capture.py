@@ -1,4 +1,6 @@
 """Capture accepts the common spellings of attention, and falls back (with a reason) otherwise."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -696,3 +698,28 @@ def test_explain_gives_each_programs_own_line():
     second = lambda q, k, v: torch.softmax(q @ k.mT, -1) @ v     # noqa: E731
     a, b = (flashlight.explain(f, *qkv()).regions[0] for f in (first, second))
     assert a.key == b.key and a.source != b.source and "second" in b.source, (a.source, b.source)
+
+
+def test_explain_names_pytorchs_fast_path_and_graph_breaks():
+    """What never reaches the backend as an attention program gets a line too: PyTorch's fused
+    fast path of an nn.TransformerEncoderLayer in eval mode (one opaque op; with the fast path
+    off the layer fuses), and a Dynamo graph break between the scores and the softmax."""
+    layer = torch.nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True).eval()
+    x, keep = torch.randn(2, 29, 32), torch.arange(29)[None, :] >= torch.tensor([29, 17])[:, None]
+    with torch.no_grad():
+        report = flashlight.explain(lambda x: layer(x, src_key_padding_mask=keep), x)
+        assert not report.regions and "set_fastpath_enabled(False)" in report.fallbacks[0].reason, report
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            assert len(flashlight.explain(lambda x: layer(x, src_key_padding_mask=keep), x).regions) == 1
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+
+    def broken(q, k, v):
+        s = q @ k.mT
+        warnings.warn("scores computed")
+        return torch.softmax(s, -1) @ v
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = flashlight.explain(broken, *qkv())
+    assert not report.regions and "graph break" in str(report) and "warn" in report.graph_breaks[0], report

@@ -324,9 +324,20 @@ def _row_outputs(b: Builder, root: fx.Node, epilogue: set[fx.Node]) -> dict[fx.N
     return {n: e for n, e in accepted.items() if any(u not in done for u in n.users)}
 
 
+# PyTorch's fused fast paths of nn.TransformerEncoderLayer / nn.MultiheadAttention (eval mode,
+# no gradients): one opaque op each, with no attention program in the graph to capture
+FAST_PATHS = {op for op in (getattr(aten, "_transformer_encoder_layer_fwd", None),
+                            getattr(aten, "_native_multi_head_attention", None)) if op is not None}
+
+
 def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:
     matches, fallbacks, claimed = [], [], set()
     for node in list(graph.nodes):
+        if packet(node) in FAST_PATHS:
+            fallbacks.append(Fallback(node.name, str(node.target), "PyTorch's fused fast path (an nn.Transformer "
+                                      "layer or nn.MultiheadAttention in eval mode without gradients) is one "
+                                      "opaque op; torch.backends.mha.set_fastpath_enabled(False) runs it as "
+                                      "plain PyTorch, which fuses", source_line(node)))
         if packet(node) not in CONTRACTIONS or node in claimed:
             continue
         try:
