@@ -173,7 +173,6 @@ def subgraph_inputs(gm, example_inputs, nodes) -> dict:
     receives when ``gm`` runs on ``example_inputs``, as fake tensors of concrete shape (a fresh
     ``torch._subclasses.FakeTensorMode``, private; each body runs in place of its op). Dynamo's
     own example values may have symbolic sizes; these have the sizes of this compile."""
-    import torch
     import torch.fx as fx
     seen = {}
 
