@@ -197,13 +197,17 @@ def subgraph_inputs(gm, example_inputs, nodes) -> dict:
 
 
 def run_on_fakes(interpreter, example_inputs):
-    """``interpreter.run`` on fake copies of ``example_inputs`` of concrete shape, in a fresh
-    ``torch._subclasses.FakeTensorMode`` (private); grad mode is restored afterwards."""
+    """``interpreter.run`` on fake copies of ``example_inputs`` of concrete shape, and of the
+    tensors its graph holds, in a fresh ``torch._subclasses.FakeTensorMode`` (private); grad
+    mode is restored afterwards."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    held = interpreter.fetch_attr     # tensors the graph holds go fake too: its in-place ops must not write them
-    interpreter.fetch_attr = lambda target: (lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x)(held(target))
+    mode, held = FakeTensorMode(allow_non_fake_inputs=True), interpreter.fetch_attr
+
+    def fetch_attr(target):     # tensors the graph holds go fake too: its in-place ops must not write them
+        x = held(target)
+        return mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+    interpreter.fetch_attr = fetch_attr
     with mode, torch.set_grad_enabled(torch.is_grad_enabled()):
         fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else concrete(x) for x in example_inputs]
         return interpreter.run(*fakes)

@@ -318,6 +318,15 @@ def items_as_tensors(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """The pre-dispatch ATen graph of ``gm`` on fake copies of ``example_inputs`` and of the
+    tensors it holds (``attrs_as_inputs``), which it reads as attributes again."""
+    lifted, held = attrs_as_inputs(gm)
+    aten_gm = _compat.make_fx_pre_dispatch(fx.Interpreter(lifted).run, [*example_inputs, *held])
+    inputs_as_attrs(aten_gm, held)
+    return aten_gm
+
+
 def trace(gm: fx.GraphModule, example_inputs,
           keep_sdpa: frozenset[str] = frozenset()) -> tuple[fx.GraphModule, list[str]]:
     """The ATen graph of ``gm`` (pre-dispatch, on fake copies of ``example_inputs``), and the
@@ -327,19 +336,14 @@ def trace(gm: fx.GraphModule, example_inputs,
     constant without data is refused (``Unsupported``)."""
     with torch.set_grad_enabled(torch.is_grad_enabled()):
         traceable = items_as_tensors(data_as_detach(inference_mode_as_no_grad(gm)))
-        def to_aten(g: fx.GraphModule) -> fx.GraphModule:
-            lifted, held = attrs_as_inputs(g)
-            out = _compat.make_fx_pre_dispatch(fx.Interpreter(lifted).run, [*example_inputs, *held])
-            inputs_as_attrs(out, held)
-            return out
         try:
             try:
-                aten_gm = to_aten(traceable)
+                aten_gm = to_aten(traceable, example_inputs)
             except RuntimeError:        # (a program well-typed only under autocast: pin its dtypes)
                 pinned = autocast_dtypes_pinned(traceable, example_inputs)
                 if pinned is None:
                     raise
-                aten_gm = to_aten(pinned)
+                aten_gm = to_aten(pinned, example_inputs)
         except Exception as e:
             if _compat.data_dependent(e):
                 raise Unsupported("a value read with .item() (a Python number argument that changed between "
