@@ -1,7 +1,7 @@
 # Session 35's plan (session 34: docs/notes.md "Session 34"; three H100 calls ran T33B and the GPU tests in
 #   full, four tries got no machine, one of them asking only for the H200): leave kind out; if an H200 comes:
-#   F (#6), then LIMIT=250 TR (#5). A machine's start costs ~6 min of device time: batch F and TR into one
-#   call where the budget allows. On an H100 nothing is pending from session 34 (T33B ran).
+#   F (#6), then LIMIT=250 TR (#5). A failed start cost 90-180 s of device time in session 34 (a started
+#   machine ~30 s beyond its command). On an H100 nothing is pending from session 34 (T33B ran).
 # Session 34's plan (session 33: docs/notes.md "Session 33"; three H100 calls, no H200): leave kind out; if an H200
 #   comes: F (#6), then LIMIT=250 TR (#5). On an H100: T33B (the decode suite's top-k row against Inductor, the
 #   beyond rows after the inserting merge).
