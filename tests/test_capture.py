@@ -179,6 +179,15 @@ def test_softmax_over_query_dim_falls_back_with_reason():
     assert rel_error(out, reference(attn, q, k, v)) < 1e-6
 
 
+def test_softmax_over_keys_of_transposed_scores_falls_back_with_reason():
+    """Scores computed as [keys, queries] and a softmax over dim -2 (the keys there): not
+    fused, and the reason names the softmax's dim (it was a vague "no score contraction")."""
+    def attn(q, k, v):
+        return torch.softmax(k @ q.mT, -2).mT @ v
+    report = flashlight.explain(attn, *qkv())
+    assert not report.regions and "softmax over dim -2" in report.fallbacks[0].reason, report
+
+
 def test_dropout_of_everything_falls_back_with_reason_and_source_line():
     def attn(q, k, v):
         return F.dropout(torch.softmax(q @ k.mT, -1), p=1.0, training=True) @ v

@@ -359,7 +359,7 @@ def _why_not(b: Builder | None) -> str:
     """Name the score-sized tensor that no rule could see through."""
     for leaf in sorted(b.leaves if b else (), key=lambda n: n.name):
         shape = tuple(meta(leaf).shape)
-        if shape[-2:] == (b.M, b.N) and leaf.op == "call_function":
+        if shape[-2:] in ((b.M, b.N), (b.N, b.M)) and leaf.op == "call_function":     # (or transposed)
             where = source_line(leaf)
             why = b.declined.get(leaf) or f"the scores pass through {leaf.target}, which has no fusion rule"
             return why + (f" ({where})" if where else "")
