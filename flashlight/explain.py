@@ -120,9 +120,9 @@ class Report:
         return "\n".join(lines)
 
 
-def region_report(c, source: str | None = None) -> RegionReport:
-    """``c``'s report; ``source``: the line of the program that fused it this time (a cached
-    entry keeps the first program's)."""
+def region_report(c, source: str) -> RegionReport:
+    """``c``'s report; ``source``: the line of the program that fused it this time (``c.region``
+    keeps the first program's: a compiled entry is shared)."""
     r = c.region
     shapes = dict(batch=r.batch, M=r.M, N=r.N, DK=r.DK, DV=r.DV)
     backward = "generated (float64 inputs use the reference VJP)" if c.backward_kernels() is not None else \
@@ -135,7 +135,7 @@ def region_report(c, source: str | None = None) -> RegionReport:
             " (read by a later pass)"
     hopper = hopper_forward(r) + (f"; {hopper_backward(r, c.bwd_kernel.plan.fused_dq)}" if c.bwd_kernel is not None
                                   else "")
-    return RegionReport(c.name, c.key, str(c.path), shapes, features(r), source or r.source, str(r), c.source, c.skipped,
+    return RegionReport(c.name, c.key, str(c.path), shapes, features(r), source, str(r), c.source, c.skipped,
                         backward, c.bwd_source, hopper)
 
 

@@ -51,7 +51,7 @@ def make_explicit(graph: fx.Graph, outside: dict[str, torch.dtype]) -> bool:
     # another value after an in-place write between them, and under the product's grad mode
     # where the moves ran under no_grad
     movable = not any(_compat.sets_grad_mode(n) or _mutates(n) for n in graph.nodes)
-    with fake.fake_mode, _outside_off(outside):
+    with fake.fake_mode, _off(outside):
         for n in list(graph.nodes):
             if _compat.autocast_switch(n):
                 state = after(n, state, before)
@@ -82,7 +82,7 @@ def pins(gm: fx.GraphModule, example_inputs) -> tuple[dict, dict]:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             args, kwargs = fx.node.map_aggregate((args, kwargs), lambda x: x.clone() if isinstance(x, torch.Tensor) else x)
             try:
-                with _outside_off(casts):
+                with _off(casts):
                     plain = getattr(self, n.op)(n.target, args, kwargs)
             except Exception:   # noqa: BLE001 — well-typed only under autocast: cast its inputs
                 before[n] = (val.dtype, [x for x in n.all_input_nodes if isinstance(self.env[x], torch.Tensor)
@@ -186,9 +186,10 @@ def entered(casts: dict[str, torch.dtype | None]):
 
 
 @contextlib.contextmanager
-def _outside_off(outside: dict[str, torch.dtype]):
-    """The autocast entered outside, off while the ops run again (each gets its own state)."""
+def _off(casts: dict[str, torch.dtype]):
+    """Autocast off for each device type of ``casts`` (the one entered outside, while the ops
+    run again under their own states; all of them, for an op's run without autocast)."""
     with contextlib.ExitStack() as stack:
-        for device in outside:
+        for device in casts:
             stack.enter_context(torch.autocast(device, enabled=False))
         yield

@@ -94,11 +94,6 @@ def _is_attention(b: Builder) -> bool:
     return any(free_vars(d.k) & {v.args[0] for v in b.bvars} for d in b.dots)
 
 
-def _looks_like_attention(node: fx.Node) -> bool:
-    """Does a softmax feed the product's first operand (a P @ V worth a reason in explain())?"""
-    return from_softmax(_operands(node)[0])
-
-
 def from_softmax(operand: fx.Node, depth: int = 12) -> bool:
     """Is ``operand`` computed from a softmax (or another ``SOFTMAX_LIKE`` op)? Not through
     another product: in stacked layers, the next layer's q @ k^T reaches the last layer's softmax
@@ -347,7 +342,7 @@ def find_regions(graph: fx.Graph) -> tuple[list[Match], list[Fallback]]:
             fallbacks.append(Fallback(node.name, str(node.target), str(e), source_line(where) or source_line(node)))
             continue
         if match is None:
-            if _looks_like_attention(node):
+            if from_softmax(_operands(node)[0]):      # a P @ V worth a reason in explain()
                 fallbacks.append(Fallback(node.name, str(node.target), _why_not(builder), source_line(node)))
             continue
         claimed |= match.inner
