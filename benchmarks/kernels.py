@@ -1,6 +1,6 @@
 """Where a compiled call's GPU time goes: every CUDA kernel of one call, from torch.profiler.
 
-    python -m benchmarks.kernels --variants sliding_window,causal [--d 64] [--n 4096] [--b 4] [--step] [--flex]
+    python -m benchmarks.kernels --variants sliding_window,causal [--d 64] [--n 4096] [--b 4] [--step] [--flex] [--inductor]
 
 Per variant, the flashlight-compiled call (``--step``: forward + backward, as
 ``benchmarks.backward`` times it) runs ``--reps`` times under the profiler; each kernel's
@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--step", action="store_true", help="forward + backward (gradients of the floating inputs)")
     p.add_argument("--flex", action="store_true", help="also profile FlexAttention's call (cached block mask)")
+    p.add_argument("--inductor", action="store_true", help="also profile plain torch.compile's call (Inductor)")
     p.add_argument("--profile", action="store_true", help="cProfile the host side of 200 calls (top entries)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -87,9 +88,12 @@ def main(argv=None) -> int:
             from . import flex_equivalents as fe
             bm = fe.make_block_mask(name, inputs)
             calls["flex"] = lambda: fe.run_flex(name, inputs, bm)
+        if args.inductor:
+            ind = torch.compile(mod.attention, dynamic=False)
+            calls["inductor"] = lambda: ind(*inputs)
         for system, fwd in calls.items():
             if args.step:
-                leaves = [x for x in inputs if x.is_floating_point()] if system == "flashlight" else inputs[:3]
+                leaves = [x for x in inputs if x.is_floating_point()] if system != "flex" else inputs[:3]
                 dout = torch.randn_like(fwd())
                 call = lambda fwd=fwd, leaves=leaves, dout=dout: torch.autograd.grad(fwd(), leaves, dout)  # noqa: E731
             else:

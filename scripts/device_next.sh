@@ -136,6 +136,15 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+H35)  # session 35's first call: on an H200 the flex suite (F, #6); on an H100 where DiffAttn's training step
+    # spends its time against Inductor's, per kernel (the lead: 0.94-0.98x Inductor), D=64 and 128
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" F; exit; fi
+  for d in 64 128; do
+    timeout -k 10 200 python3 -m benchmarks.kernels --variants diff_attention,causal --step --inductor --d $d \
+      > $OUT/diff_kernels_d$d.txt 2>&1
+    echo "kernels d=$d rc $?"; grep -v DEBUG $OUT/diff_kernels_d$d.txt | head -60 | cut -c1-150
+  done
+  ;;
 T33B)  # session 33 (~6 min): top-k's inserting merge and its split-KV decoding: the GPU tests (top-k, the
     # two-pass decodes with decode_top_k), the beyond rows again (top_k, threshold against Inductor), the decode
     # suite's top-k and causal rows, then split against one program per row (scripts/split_ab.py top_k)
