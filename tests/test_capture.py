@@ -33,6 +33,11 @@ SPELLINGS = {
     "log_softmax_exp": lambda q, k, v: torch.exp(torch.log_softmax(q @ k.mT, -1)) @ v,
     "scores_transposed": lambda q, k, v: torch.softmax((k @ q.mT).mT * 0.25, -1) @ v,     # K @ Q^T, then .mT
     "einsum_k_first": lambda q, k, v: torch.einsum("bhjd,bhid->bhij", k, q).softmax(-1) @ v,
+    # [keys, queries] scores normalised over dim -2 (their keys), then read transposed
+    "softmax_over_keys_first": lambda q, k, v: torch.softmax(k @ q.mT * 0.25, -2).mT @ v,
+    "einsum_softmax_over_keys_first": lambda q, k, v: torch.einsum(
+        "bhnm,bhnd->bhmd", torch.einsum("bhnd,bhmd->bhnm", k, q).softmax(dim=-2), v),
+    "log_softmax_over_keys_first": lambda q, k, v: torch.log_softmax(k @ q.mT, 2).exp().transpose(2, 3) @ v,
 }
 
 
@@ -174,18 +179,35 @@ def test_softmax_over_query_dim_falls_back_with_reason():
     q, k, v = qkv(m=N)
     report = flashlight.explain(attn, q, k, v)
     assert not report.regions
-    assert "key (last) dim" in report.fallbacks[0].reason
+    assert "softmax over dim -2, read along the queries" in report.fallbacks[0].reason, report
     out = torch.compile(attn, backend="flashlight")(q, k, v)
     assert rel_error(out, reference(attn, q, k, v)) < 1e-6
 
 
-def test_softmax_over_keys_of_transposed_scores_falls_back_with_reason():
-    """Scores computed as [keys, queries] and a softmax over dim -2 (the keys there): not
-    fused, and the reason names the softmax's dim (it was a vague "no score contraction")."""
-    def attn(q, k, v):
-        return torch.softmax(k @ q.mT, -2).mT @ v
-    report = flashlight.explain(attn, *qkv())
-    assert not report.regions and "softmax over dim -2" in report.fallbacks[0].reason, report
+def test_softmax_over_keys_of_transposed_scores_trains():
+    """Scores computed as [keys, queries], masked causally, and a softmax over dim -2 (the keys
+    there): fused, outputs and gradients against float64 (it fell back, naming the dim)."""
+    def attn(q, k, v, bias):
+        st = (k @ q.mT * 0.25 + bias).masked_fill(torch.ones(N, M, dtype=torch.bool).tril(-1), float("-inf"))
+        return torch.softmax(st, dim=-2).mT @ v
+    inputs = [*qkv(), torch.randn(H, N, 1)]
+    check_fused(attn, *inputs, score_numel=B * H * M * N)
+    check_grads(attn, [x.requires_grad_() for x in inputs])
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_a_softmax_over_the_heads_in_a_region_is_computed_outside(log):
+    """A softmax over a [H] gate's heads, read in the epilogue and in the scores: computed outside
+    the kernel, not taken for a reduction over the keys. Before, the kernel reduced the gate over
+    key positions: relative error 1.0 (0.56 with log_softmax) when N != H."""
+    norm = torch.log_softmax if log else torch.softmax
+
+    def attn(q, k, v, g):
+        o = torch.softmax(q @ k.mT * 0.25 + norm(g, -1)[:, None, None], -1) @ v
+        return o * norm(g * 2, -1)[:, None, None]
+    inputs = [*qkv(), torch.randn(H)]
+    check_fused(attn, *inputs)
+    check_grads(attn, [x.requires_grad_() for x in inputs])
 
 
 def test_dropout_of_everything_falls_back_with_reason_and_source_line():

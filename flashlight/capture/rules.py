@@ -557,30 +557,43 @@ def _softmax_parts(b: Builder, body: Expr, size: int) -> tuple[Expr, Expr, Expr]
     return mx, e, b.add_reduction("sum", e, size=size)
 
 
-def _softmax(b, node, x, dim, *_, **__):
-    s = b.sym(x)
-    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1:
-        return b.decline(node, f"softmax over dim {dim}: only a softmax over the key (last) dim fuses")
-
-    def fn(idx):
-        if any("n" in free_vars(i) for i in idx[:-1]):
-            raise Unsupported("softmax read at a varying key position", node)
-        mx, _, l = _softmax_parts(b, s(idx[:-1] + (b.n,)), s.shape[-1])
-        # at the tile's key n this is the e of the sum; elsewhere (a sink column) its own value
-        return call("div_safe", call("exp", call("sub", s(idx), mx)), l)    # a fully masked row gives 0, not NaN
-    return Sym(out_shape(node), "f", fn)
-
-
-def _log_softmax(b, node, x, dim, *_, **__):
-    s = b.sym(x)
-    if _norm_dim(dim, len(s.shape)) != len(s.shape) - 1:
+def _softmax_keys(b: Builder, node, s: Sym, dim: int, idx: Idx) -> int | None:
+    """Where a softmax over ``dim`` of ``s``, read at ``idx``, reduces over the keys: the dim's
+    position, when the reader indexes it with the key (the last dim of [.., M, N] scores, the one
+    before of [.., N, M] ones: ``softmax(k @ q^T, -2)``) or at a constant (a sink column, one
+    key's weight). None when it indexes it with a batch axis (a softmax over the heads of a [H]
+    gate): computed outside the kernel. Raises where it indexes it with another axis of the tile
+    (a softmax over the queries: slot attention) or the keys index another dim too."""
+    d = _norm_dim(dim, len(s.shape))
+    at = free_vars(idx[d])
+    if "n" not in at and (at or s.shape[d] not in (b.N, b.N + 1)):
+        tile = at & {"m", "dk", "dv"}
+        if tile:
+            raise Unsupported(f"softmax over dim {dim}, read along {'the queries' if 'm' in tile else 'a head dim'} "
+                              "there: only a softmax over the keys fuses", node)
         return None
+    if any("n" in free_vars(i) for i in idx[:d] + idx[d + 1:]):
+        raise Unsupported(f"softmax over dim {dim} read where the keys are another dim: only a softmax over the keys "
+                          "fuses", node)
+    return d
 
-    def fn(idx):
-        mx, _, l = _softmax_parts(b, s(idx[:-1] + (b.n,)), s.shape[-1])
-        lse = call("add", call("log", l), mx)
-        return call("sub", s(idx), lse)
-    return Sym(out_shape(node), "f", fn)
+
+def _softmax_like(log: bool):
+    """softmax, or log_softmax, over any dim the reader indexes with the keys (``_softmax_keys``)."""
+    def rule(b, node, x, dim, *_, **__):
+        s, leaf = b.sym(x), b.leaf(node)
+
+        def fn(idx):
+            d = _softmax_keys(b, node, s, dim, idx)
+            if d is None:
+                return leaf(idx)
+            mx, _, l = _softmax_parts(b, s(idx[:d] + (b.n,) + idx[d + 1:]), s.shape[d])
+            if log:
+                return call("sub", s(idx), call("add", call("log", l), mx))
+            # at the tile's key n this is the e of the sum; elsewhere (a sink column) its own value
+            return call("div_safe", call("exp", call("sub", s(idx), mx)), l)    # a fully masked row gives 0, not NaN
+        return Sym(out_shape(node), "f", fn)
+    return rule
 
 
 def _amax(b, node, x, dims=(), keepdim=False):
@@ -1011,8 +1024,8 @@ RULES.update({
     aten.tril: _tri(lambda i, j, d: call("le", call("sub", j, i), const(d))),
     aten.triu: _tri(lambda i, j, d: call("ge", call("sub", j, i), const(d))),
     # reductions over the key dim
-    aten.softmax: _softmax, aten._softmax: _softmax, aten._safe_softmax: _softmax,
-    aten.log_softmax: _log_softmax, aten._log_softmax: _log_softmax,
+    aten.softmax: _softmax_like(False), aten._softmax: _softmax_like(False), aten._safe_softmax: _softmax_like(False),
+    aten.log_softmax: _softmax_like(True), aten._log_softmax: _softmax_like(True),
     aten.amax: _amax, aten.amin: _amin, aten.sum: _sum, aten.mean: _mean, aten.logsumexp: _logsumexp,
     aten.cumsum: cumsum,
     # contractions
