@@ -133,19 +133,22 @@ def test_integer_products_and_zero_scales_are_not_joined():
     assert n == 0
 
 
-def weights_second(q, k, v):
+WEIGHTS_SECOND = {
     # slot attention's spelling of P @ V: the weights the second operand
-    s = torch.einsum("bhid,bhjd->bhij", q, k) * 0.25
-    return torch.einsum("bhjd,bhij->bhid", v, s.softmax(-1))
+    "einsum": lambda q, k, v: torch.einsum("bhjd,bhij->bhid", v, (torch.einsum("bhid,bhjd->bhij", q, k) * 0.25).softmax(-1)),
+    # V^T times [keys, queries] weights (a softmax over dim -2), transposed back
+    "matmul": lambda q, k, v: (v.mT @ torch.softmax(k @ q.mT * 0.25, -2)).mT,
+}
 
 
-def test_weights_written_second_fuse():
-    """``einsum("bhjd,bhij->bhid", v, attn)`` (products.weights_first swaps the operands):
-    fused whole, outputs and gradients against float64. Before, the product was read as V^T
-    times the weights and nothing fused, without a reason."""
+@pytest.mark.parametrize("name", list(WEIGHTS_SECOND))
+def test_weights_written_second_fuse(name):
+    """``einsum("bhjd,bhij->bhid", v, attn)``, ``(v^T @ attn)^T`` (products.weights_first swaps
+    the operands): fused whole, outputs and gradients against float64. Before, the product was
+    read as V^T times the weights and nothing fused, without a reason."""
     inputs = [torch.randn(B, H, L, D) for L in (M, N, N)]
-    check_fused(weights_second, *inputs)
-    check_grads(weights_second, [x.requires_grad_() for x in inputs])
+    check_fused(WEIGHTS_SECOND[name], *inputs)
+    check_grads(WEIGHTS_SECOND[name], [x.requires_grad_() for x in inputs])
 
 
 def test_a_softmax_over_the_queries_in_weights_written_second_has_a_reason():

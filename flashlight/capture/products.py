@@ -21,8 +21,8 @@ stay two products. ``join`` rewrites the ATen graph in place, tracing the joined
 fake values of its operands (their shapes, dtypes and devices), and returns how many sums it
 joined.
 
-``weights_first`` runs before it: an einsum that writes ``P @ V`` with the weights second
-(``einsum("bjd,bij->bid", v, attn)``) gets its operands swapped.
+``weights_first`` runs before it: a product that writes ``P @ V`` with the weights second
+(``einsum("bjd,bij->bid", v, attn)``, ``(v^T @ attn)^T``) gets its operands swapped.
 """
 from __future__ import annotations
 
@@ -46,18 +46,22 @@ SCALES = {aten.mul.Tensor: operator.mul, aten.div.Tensor: operator.truediv}
 
 
 def weights_first(gm: fx.GraphModule) -> int:
-    """Swap the operands of an einsum that multiplies V by the attention weights written second
-    (slot attention's ``einsum("bjd,bij->bid", v, attn)``), so that a candidate ``P @ V``'s first
-    operand is P, as ``regions`` reads it; the result is the same. Returns how many it swapped."""
+    """Swap the operands of a product that multiplies V by the attention weights written second
+    (slot attention's ``einsum("bjd,bij->bid", v, attn)``; ``(v^T @ attn)^T``, a matmul, becomes
+    the einsum ``...jk,...ij->...ik`` of the weights first), so that a candidate ``P @ V``'s
+    first operand is P, as ``regions`` reads it; the result is the same. Returns how many it
+    swapped."""
     swapped = 0
     for n in gm.graph.nodes:
-        if n.target != aten.einsum.default or len(n.args[1]) != 2 or "->" not in n.args[0]:
+        if n.target == aten.einsum.default and len(n.args[1]) == 2 and "->" in n.args[0]:
+            (x, y), (operands, out) = n.args[1], n.args[0].replace(" ", "").split("->")
+        elif n.target == aten.matmul.default and all(meta(t) is not None and meta(t).dim() >= 2 for t in n.args[:2]):
+            (x, y), (operands, out) = n.args[:2], ("...ij,...jk", "...ik")
+        else:
             continue
-        x, y = n.args[1]
         if from_softmax(y) and not from_softmax(x):
-            operands, out = n.args[0].replace(" ", "").split("->")
             a, c = operands.split(",")
-            n.args = (f"{c},{a}->{out}", [y, x])
+            n.target, n.args, n.kwargs = aten.einsum.default, (f"{c},{a}->{out}", [y, x]), {}
             swapped += 1
     if swapped:
         gm.recompile()
