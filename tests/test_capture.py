@@ -631,6 +631,24 @@ def test_computed_query_operands_load_as_leaves_in_training():
         check_grads(fn, [x.detach().requires_grad_() for x in inputs])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_qk_norm_fuses_when_the_keys_are_as_many_as_the_head_dim(causal):
+    """Qwen3's QK-norm (an RMSNorm over the head dim of q and of k) at N == D: the mean over the
+    head dim is not a reduction over the keys, though as long. It fell back ("reduction over N
+    read at a varying key position"); now the means are computed outside the kernel, and the
+    program fuses with its gradients."""
+    def qk_norm(q, k, v, wq, wk):
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6) * wq
+        k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6) * wk
+        s = q @ k.mT * 0.25
+        if causal:
+            s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.softmax(s, -1) @ v
+    inputs = [*qkv(m=N, d=N), 1 + 0.1 * torch.randn(N), 1 + 0.1 * torch.randn(N)]
+    check_fused(qk_norm, *inputs, score_numel=B * H * N * N + 1)     # q and k are score-sized here
+    check_grads(qk_norm, [x.requires_grad_() for x in inputs])
+
+
 @pytest.mark.parametrize("kv_leaves", ["1", "0"])
 def test_computed_key_and_value_operands_load_as_leaves(kv_leaves, monkeypatch):
     """A K or V operand that reads two or more floating tensors along the keys (RoPE on k, QK-norm,

@@ -541,13 +541,27 @@ def _reduce_last(b: Builder, node, x, dims, keepdim: bool, combine: Callable[[Bu
         return b.decline(node, f"{node.target} over dims {dims}: only reductions over the key (last) dim fuse")
     if s.shape[-1] not in (b.N, b.N + 1):
         return None      # a reduction over some other last dim (a head dim): not over the keys (+ a sink)
+    leaf = b.leaf(node)
 
     def fn(idx):
         head = idx[:-1] if keepdim else idx
+        if s.shape[-1] in (b.DK, b.DV) and not _reads_scores(b, s, head + (b.n,)):
+            return leaf(idx)     # over a head dim as long as the keys (QK-norm's at N == D): computed outside
         if any("n" in free_vars(i) for i in head):
             raise Unsupported("reduction over N read at a varying key position", node)
         return combine(b, s(head + (b.n,)), s.shape[-1])
     return Sym(out_shape(node), "f", fn)
+
+
+def _reads_scores(b: Builder, s: Sym, idx: Idx) -> bool:
+    """Whether ``s`` at ``idx`` reads a score product (a trial: what it adds to ``b`` is undone)."""
+    saved = b.snapshot()
+    try:
+        return bool(refs(s(idx), "dot"))
+    except Unsupported:
+        return False
+    finally:
+        b.restore(saved)
 
 
 def _softmax_parts(b: Builder, body: Expr, size: int) -> tuple[Expr, Expr, Expr]:
