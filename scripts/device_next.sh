@@ -1,3 +1,7 @@
+# Session 36's plan (session 35: docs/notes.md "Session 35"; an H200 ran F, TR and the document rows again):
+#   #5 is met on the H200; #6 misses on two host-bound document rows (16x1024 D=128, 4x4096 D=64) and
+#   cuDNN at D=64 N=16384 (0.89). Leave kind out; first HOST (below, ~3 min, any GPU): where the document
+#   mask's call spends its host time, and its rows under CUDA graphs. Then, after a host-path change, F.
 # Session 35's plan (session 34: docs/notes.md "Session 34"; three H100 calls ran T33B and the GPU tests in
 #   full, four tries got no machine, one of them asking only for the H200): leave kind out; if an H200 comes:
 #   F (#6), then LIMIT=250 TR (#5). A failed start cost 90-180 s of device time in session 34 (a started
@@ -136,6 +140,15 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=.
 nogrep() { grep -v "DEBUG" || true; }
 nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
 case "$1" in
+HOST)  # session 36: the document mask's host path at the short shapes (cProfile, per-layer host time), and the
+    # document and full rows under --cuda-graphs (Flex's and our replay: no host path)
+  timeout -k 10 150 python3 -m benchmarks.overhead --variants document_mask,causal --b 16 --n 1024 --d 128 --profile \
+    > $OUT/overhead.txt 2>&1
+  echo "overhead rc $?"; grep -v DEBUG $OUT/overhead.txt | head -80 | cut -c1-160
+  timeout -k 10 200 python3 -m benchmarks.run --suite flex --only document_12,full --backends flashlight,flex,sdpa_cudnn \
+    --cuda-graphs --no-plots --time-limit 180 --out $OUT/cg > $OUT/cg.txt 2>&1
+  echo "cg rc $?"; tail -14 $OUT/cg.txt | cut -c1-175
+  ;;
 H35)  # session 35's first call: on an H200 the flex suite (F, #6); on an H100 where DiffAttn's training step
     # spends its time against Inductor's, per kernel (the lead: 0.94-0.98x Inductor), D=64 and 128
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then bash "$0" F; exit; fi
