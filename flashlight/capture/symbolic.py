@@ -319,7 +319,7 @@ class Builder:
 
     # -- tiles the kernel computes -----------------------------------------------------------
     def size(self, axis: Expr) -> int:
-        """The extent of the tile axis ``axis`` (m: M, n: N)."""
+        """The extent of the tile axis ``axis`` (m: M, n: N, dk: DK, dv: DV)."""
         return {"m": self.M, "n": self.N, "dk": self.DK, "dv": self.DV}[axis.args[0]]
 
     def is_tile(self, idx: Idx, row: Expr, col: Expr) -> bool:
